@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Set up chexflow on a fresh machine, idempotently (a second run only checks):
+#   system packages (Debian/Ubuntu, when run as root): Fashion-MNIST data package, OpenMPI
+#   (Horovod's MPI ops for `srun --mpi=pmix`), and with --test: Chromium (report rendering
+#   test) and procps; the local SLURM test cluster installs its own packages;
+#   .venv with the pinned Python packages (envs/requirements.txt), chexflow itself (editable),
+#   and Horovod 0.28.1 built against the installed torch (python -m chexflow.install.horovod,
+#   cached wheel under ~/.cache/chexflow/wheels).
+#
+# Usage: bash envs/setup.sh [--test]
+# Cluster users: load your site's compilers/CUDA/MPI modules first; set CHEXFLOW_SKIP_TORCH=1 to
+# keep a torch you installed yourself (Horovod is then built against it); HOROVOD_* variables
+# (HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME, ...) and MPICXX are passed to the Horovod build.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+WITH_TESTS=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) WITH_TESTS=1 ;;
+    *) echo "usage: bash envs/setup.sh [--test]" >&2; exit 2 ;;
+  esac
+done
+
+PY=${PYTHON:-python3}
+say() { printf '\n[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+# ---------------------------------------------------------------- system packages
+pkgs=(dataset-fashion-mnist libopenmpi-dev openmpi-bin cmake g++)
+[ "$WITH_TESTS" = 1 ] && pkgs+=(chromium procps)
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  missing=()
+  for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    say "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}"; }
+  fi
+else
+  say "not root or no apt-get: make sure these are installed: ${pkgs[*]}"
+fi
+
+# ---------------------------------------------------------------- Python environment
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
+  "$PY" -m venv .venv
+fi
+say "installing Python packages (envs/requirements.txt)"
+.venv/bin/pip install -q --upgrade pip wheel setuptools
+if [ "${CHEXFLOW_SKIP_TORCH:-0}" = 1 ]; then
+  grep -vE '^(torch|torchvision)==' envs/requirements.txt > .venv/requirements-notorch.txt
+  .venv/bin/pip install -q -r .venv/requirements-notorch.txt
+else
+  .venv/bin/pip install -q -r envs/requirements.txt
+fi
+.venv/bin/pip install -q --no-deps -e .
+
+say "Horovod (built once against this torch, then taken from the wheel cache)"
+.venv/bin/python -m chexflow.install.horovod
+
+say "ready: $(.venv/bin/python -c 'import torch, horovod; print("torch", torch.__version__, "| horovod", horovod.__version__)')"

@@ -1,0 +1,38 @@
+# Download: one job per file of a source, verified by checksum, written atomically.
+
+
+rule make_demo_release:
+    output:
+        demo_release_files(),
+    params:
+        cfg=stage_json("demo_release"),
+    log:
+        "logs/download/make_demo_release.log",
+    benchmark:
+        "benchmarks/download/make_demo_release.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "chexflow make-demo-release --config-json {params.cfg:q} --out " + DEMO_DIR + " > {log} 2>&1"
+
+
+rule download_file:
+    input:
+        download_inputs,
+    output:
+        "data/raw/{dataset}/{file}",
+    params:
+        mirror=download_mirror,
+        n_archives=n_demo_archives(),
+    log:
+        "logs/download/{dataset}/{file}.log",
+    benchmark:
+        "benchmarks/download/{dataset}/{file}.tsv"
+    resources:
+        downloads=1,
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "chexflow download --dataset {wildcards.dataset} --file {wildcards.file:q}"
+        " --dest data/raw/{wildcards.dataset} --mirror {params.mirror:q}"
+        " --n-archives {params.n_archives} > {log} 2>&1"

@@ -1,0 +1,30 @@
+# Pretraining: one multi-rank job. `resources.mpi` is the launcher: `chexflow launch` (local
+# ranks via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
+# Checkpoints go to results/pretrain/checkpoints/, which is NOT a declared output, so a rerun
+# after a failure or preemption resumes from them.
+
+
+rule pretrain_model:
+    input:
+        manifest=manifest(PRETRAIN_DATASET),
+    output:
+        model="results/pretrain/model.pt",
+        metrics="results/pretrain/metrics.jsonl",
+    params:
+        cfg=train_config_json("pretrain"),
+        backend=config["pretrain"]["backend"],
+    log:
+        "logs/pretrain/train.log",
+    benchmark:
+        "benchmarks/pretrain/train.tsv"
+    threads: 2
+    resources:
+        tasks=2,
+        mpi="chexflow launch",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
+        " chexflow train --config-json {params.cfg:q} --manifest {input.manifest}"
+        " --out-dir results/pretrain --ckpt-dir results/pretrain/checkpoints"
+        " --tensorboard logs/pretrain/tensorboard > {log} 2>&1"

@@ -1,0 +1,32 @@
+# Report: one self-contained HTML file (plots inline).
+
+
+rule render_report:
+    input:
+        metrics="results/evaluate/metrics.json",
+        predictions="results/evaluate/predictions.csv",
+        pretrain="results/pretrain/metrics.jsonl",
+        finetune="results/finetune/metrics.jsonl",
+        pretrain_manifest=manifest(PRETRAIN_DATASET),
+        finetune_manifest=manifest(FINETUNE_DATASET),
+    output:
+        "results/report/chexflow_report.html",
+    params:
+        cfg=json.dumps(config),
+        manifests=f"--manifest {PRETRAIN_DATASET}=" + manifest(PRETRAIN_DATASET)
+        + f" --manifest {FINETUNE_DATASET}=" + manifest(FINETUNE_DATASET),
+        benchmarks="--benchmark pretrain=benchmarks/pretrain/train.tsv"
+        " --benchmark finetune=benchmarks/finetune/train.tsv"
+        " --benchmark evaluate=benchmarks/evaluate/evaluate.tsv",
+        repo=workflow.basedir,
+    log:
+        "logs/report/report.log",
+    benchmark:
+        "benchmarks/report/report.tsv"
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "chexflow report --out {output} --metrics {input.metrics} --predictions {input.predictions}"
+        " --pretrain-metrics {input.pretrain} --finetune-metrics {input.finetune}"
+        " {params.manifests} {params.benchmarks} --study-config-json {params.cfg:q}"
+        " --repo {params.repo:q} > {log} 2>&1"

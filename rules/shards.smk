@@ -1,0 +1,56 @@
+# Shards: a patient-wise split, one shard job per source archive, then a gather into the manifest.
+
+
+rule split_dataset:
+    input:
+        split_inputs,
+    output:
+        "data/shards/{dataset}/splits.csv",
+    params:
+        cfg=shard_config_json,
+    log:
+        "logs/shards/{dataset}/split.log",
+    benchmark:
+        "benchmarks/shards/{dataset}/split.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "chexflow split --config-json {params.cfg:q} --raw data/raw/{wildcards.dataset}"
+        " --out {output} > {log} 2>&1"
+
+
+rule write_shards:
+    input:
+        raw=part_inputs,
+        splits="data/shards/{dataset}/splits.csv",
+    output:
+        "data/shards/{dataset}/parts/{part}/manifest.json",
+    params:
+        cfg=shard_config_json,
+    log:
+        "logs/shards/{dataset}/{part}.log",
+    benchmark:
+        "benchmarks/shards/{dataset}/{part}.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "chexflow shards --config-json {params.cfg:q} --part {wildcards.part}"
+        " --raw data/raw/{wildcards.dataset} --splits {input.splits}"
+        " --out data/shards/{wildcards.dataset}/parts/{wildcards.part} > {log} 2>&1"
+
+
+rule gather_shards:
+    input:
+        part_manifests,
+    output:
+        "data/shards/{dataset}/manifest.json",
+    params:
+        cfg=shard_config_json,
+    log:
+        "logs/shards/{dataset}/gather.log",
+    benchmark:
+        "benchmarks/shards/{dataset}/gather.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "chexflow gather --config-json {params.cfg:q} --out {output} {input} > {log} 2>&1"

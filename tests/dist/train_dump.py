@@ -1,0 +1,53 @@
+"""One rank of a real training run that also records, for the tests, what this rank wrote and its
+final weights. Started by the tests through `chexflow launch` (horovodrun / torchrun)."""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from chexflow import config as C
+from chexflow.fsutil import write_text_atomic as _real_write_text
+from chexflow.train import checkpoint as ckpt
+from chexflow.train import trainer as T
+from chexflow.train.distributed import init_backend
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--config-json", required=True)
+ap.add_argument("--manifest", type=Path, required=True)
+ap.add_argument("--out-dir", type=Path, required=True)
+ap.add_argument("--ckpt-dir", type=Path, required=True)
+ap.add_argument("--pretrained", type=Path, default=None)
+ap.add_argument("--dump", type=Path, required=True)
+args = ap.parse_args()
+
+cfg = C.load_stage_config(C.TrainConfig, text=args.config_json)
+backend = init_backend(cfg.backend)
+writes = []
+real_save = ckpt.save_atomic
+
+
+def save_atomic(obj, path):
+    writes.append(str(path))
+    real_save(obj, path)
+
+
+def write_text(path, text):
+    writes.append(str(path))
+    _real_write_text(path, text)
+
+
+ckpt.save_atomic = save_atomic
+T.write_text_atomic = write_text
+trainer = T.Trainer(cfg, T.TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
+                                      pretrained=args.pretrained), backend)
+code = trainer.fit()
+args.dump.mkdir(parents=True, exist_ok=True)
+rank = backend.rank
+torch.save({k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, args.dump / f"rank{rank}.pt")
+(args.dump / f"rank{rank}.json").write_text(json.dumps({"writes": writes, "world": backend.size,
+                                                        "code": code, "pid": os.getpid()}))
+backend.shutdown()
+sys.exit(code)

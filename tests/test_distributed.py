@@ -1,0 +1,184 @@
+"""Real multi-process training on CPU (gloo): Horovod and DDP ranks started by `chexflow launch`.
+
+Covers: identical weights across ranks, Horovod == DDP loss curve for the same seed, kill -TERM /
+kill -9 then rerun == uninterrupted run (bit-identical), a dead rank failing the job quickly,
+rank 0 alone writing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, cli_env, horovod_available
+
+pytestmark = pytest.mark.slow
+
+BACKENDS = [pytest.param("horovod", marks=pytest.mark.skipif(not horovod_available(), reason="horovod not built")),
+            "ddp"]
+
+
+def train_cfg(backend: str, **over) -> dict:
+    cfg = {"stage": "finetune", "dataset": "nih_demo", "backend": backend, "epochs": 2, "batch_size": 8,
+           "seed": 5, "init": "random", "model": {"arch": "resnet18", "in_channels": 1},
+           "data": {"crop": 32, "workers": 0, "shuffle_buffer": 16},
+           "optim": {"name": "sgd", "lr": 0.05, "reference_batch": 16},
+           "schedule": {"warmup_epochs": 0.5, "decay": "cosine"},
+           "checkpoint": {"every_steps": 2, "keep": 50}}
+    for k, v in over.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and k in cfg else v
+    return cfg
+
+
+def start(backend, n, cfg, manifest, work: Path, tag: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "chexflow", "launch", "--backend", backend, "-n", str(n), "--",
+           sys.executable, str(REPO / "tests/dist/train_dump.py"), "--config-json", json.dumps(cfg),
+           "--manifest", str(manifest), "--out-dir", str(work / "out"), "--ckpt-dir", str(work / "ckpt"),
+           "--dump", str(work / f"dump-{tag}")]
+    log = open(work / f"{tag}.log", "w")
+    return subprocess.Popen(cmd, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def run(backend, n, cfg, manifest, work: Path, tag: str = "run", timeout: float = 400) -> int:
+    work.mkdir(parents=True, exist_ok=True)
+    proc = start(backend, n, cfg, manifest, work, tag)
+    code = proc.wait(timeout=timeout)
+    return code
+
+
+def weights(work: Path, tag: str, rank: int) -> dict:
+    return torch.load(work / f"dump-{tag}" / f"rank{rank}.pt", weights_only=True)
+
+
+def history(work: Path) -> list[dict]:
+    return [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference_runs(demo_manifest, tmp_path_factory):
+    """One uninterrupted 2-rank run per available backend (shared by several tests)."""
+    out = {}
+    for backend in ("horovod", "ddp"):
+        if backend == "horovod" and not horovod_available():
+            continue
+        work = tmp_path_factory.mktemp(f"ref-{backend}")
+        code = run(backend, 2, train_cfg(backend), demo_manifest, work)
+        assert code == 0, (work / "run.log").read_text()[-3000:]
+        out[backend] = work
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_identical_across_ranks_and_rank0_alone_writes(reference_runs, backend):
+    work = reference_runs[backend]
+    w0, w1 = weights(work, "run", 0), weights(work, "run", 1)
+    assert w0.keys() == w1.keys()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    info0 = json.loads((work / "dump-run" / "rank0.json").read_text())
+    info1 = json.loads((work / "dump-run" / "rank1.json").read_text())
+    assert info0["world"] == info1["world"] == 2
+    assert info1["writes"] == [], "rank 1 must not write files"
+    assert any(p.endswith("model.pt") for p in info0["writes"])
+    h = history(work)
+    assert [r["epoch"] for r in h] == [1, 2] and all(r["world_size"] == 2 for r in h)
+    # the saved model is rank 0's, selected on validation
+    model = torch.load(work / "out" / "model.pt", weights_only=True)
+    assert model["val_metric_name"] == "mean_auroc" and model["epoch"] in (1, 2)
+
+
+def test_horovod_and_ddp_same_loss_curve(reference_runs):
+    if "horovod" not in reference_runs:
+        pytest.skip("horovod not built")
+    h, d = history(reference_runs["horovod"]), history(reference_runs["ddp"])
+    for a, b in zip(h, d):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4, abs=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4, abs=1e-5)
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
+    wh, wd = weights(reference_runs["horovod"], "run", 0), weights(reference_runs["ddp"], "run", 0)
+    for k in wh:
+        assert torch.allclose(wh[k], wd[k], rtol=1e-4, atol=1e-5), k
+
+
+def rank_pids(work: Path) -> list[int]:
+    """PIDs of the rank processes (not the launchers) of the run in ``work``."""
+    out = subprocess.run(["pgrep", "-f", f"^\\S*python\\S* \\S*train_dump.py .*{work}"], capture_output=True,
+                         text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def _ckpt_steps(work: Path) -> list[int]:
+    d = work / "ckpt"
+    return sorted(int(p.name[5:14]) for p in d.glob("step-*.pt")) if d.exists() else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill_and_rerun_equals_uninterrupted(reference_runs, demo_manifest, tmp_path, backend, sig):
+    rng = random.Random(int(time.time()))
+    target = rng.choice([3, 5, 7])
+    work = tmp_path / "w"
+    work.mkdir()
+    proc = start(backend, 2, train_cfg(backend), demo_manifest, work, "first")
+    deadline = time.time() + 300
+    while time.time() < deadline and (not _ckpt_steps(work) or _ckpt_steps(work)[-1] < target - 2):
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "run finished before it could be interrupted:\n" + (work / "first.log").read_text()[-2000:]
+    if sig == signal.SIGKILL:
+        # kill -9 one rank: no checkpoint on the way out; the launcher must fail, not hang
+        os.kill(rank_pids(work)[-1], signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    assert code != 0
+    assert not (work / "out" / "model.pt").exists(), "an interrupted run must not leave the declared output"
+    log = (work / "first.log").read_text()
+    if sig == signal.SIGTERM:
+        assert "SIGTERM received: checkpoint written" in log, log[-2000:]
+    code = run(backend, 2, train_cfg(backend), demo_manifest, work, "second")
+    log2 = (work / "second.log").read_text()
+    assert code == 0, log2[-3000:]
+    assert "resuming from" in log2
+    ref = weights(reference_runs[backend], "run", 0)
+    got = weights(work, "second", 0)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), f"{k} differs after kill -{sig.name} + resume"
+    hr, hw = history(reference_runs[backend]), history(work)
+    assert [r["train_loss"] for r in hw] == pytest.approx([r["train_loss"] for r in hr], rel=1e-6)
+    assert [r["val_loss"] for r in hw] == [r["val_loss"] for r in hr]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_rank_fails_job_quickly(demo_manifest, tmp_path, backend):
+    work = tmp_path / "w"
+    work.mkdir()
+    cfg = train_cfg(backend, epochs=50)
+    proc = start(backend, 2, cfg, demo_manifest, work, "dead")
+    deadline = time.time() + 300
+    pids = []
+    while time.time() < deadline and len(pids) < 2:
+        pids = rank_pids(work)
+        time.sleep(0.2)
+    while time.time() < deadline and not _ckpt_steps(work):
+        time.sleep(0.2)
+    assert len(pids) == 2
+    victim = pids[-1]
+    t0 = time.time()
+    os.kill(victim, signal.SIGKILL)
+    code = proc.wait(timeout=90)
+    elapsed = time.time() - t0
+    assert code != 0
+    assert elapsed < 60, f"job took {elapsed:.0f}s to fail after a rank died"
+    time.sleep(1)
+    left = rank_pids(work)
+    assert left == [], "no rank may outlive the job"

@@ -1,0 +1,105 @@
+"""Pure pieces of training: masked BCE, LR schedule values, checkpoints, backbone loading."""
+import math
+
+import pytest
+import torch
+
+from chexflow.config import OptimConfig, ScheduleConfig
+from chexflow.train import checkpoint as ckpt
+from chexflow.train.losses import masked_bce
+from chexflow.train.models import build_model, load_backbone
+from chexflow.train.schedule import lr_at, make_scheduler, scaled_lr
+
+
+def test_masked_bce_ignores_nan_labels():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 3.0, -2.0]])
+    targets = torch.tensor([[1.0, float("nan"), 0.0], [float("nan"), 1.0, float("nan")]])
+    known = ~torch.isnan(targets)
+    ref = torch.nn.functional.binary_cross_entropy_with_logits(logits[known], targets[known])
+    assert torch.allclose(masked_bce(logits, targets), ref)
+    # changing a logit where the label is unknown changes nothing
+    logits2 = logits.clone()
+    logits2[0, 1] = -50.0
+    assert torch.equal(masked_bce(logits2, targets), masked_bce(logits, targets))
+
+
+def test_masked_bce_all_unknown_is_zero_not_nan():
+    out = masked_bce(torch.zeros(2, 3), torch.full((2, 3), float("nan")))
+    assert out.item() == 0.0
+
+
+def test_lr_linear_scaling_and_warmup_values():
+    optim = OptimConfig(lr=0.1, reference_batch=256)
+    sched = ScheduleConfig(warmup_epochs=2, decay="cosine")
+    kw = dict(optim=optim, sched=sched, batch_size=64, steps_per_epoch=10, epochs=10)
+    assert scaled_lr(optim, batch_size=64, world=4) == pytest.approx(0.1)   # 64*4 = 256
+    assert scaled_lr(optim, batch_size=64, world=8) == pytest.approx(0.2)
+    # warmup from the single-worker LR (0.025) to the 4-rank LR (0.1) over 20 steps
+    assert lr_at(0, world=4, **kw) == pytest.approx(0.025)
+    assert lr_at(10, world=4, **kw) == pytest.approx(0.0625)
+    assert lr_at(20, world=4, **kw) == pytest.approx(0.1)
+    # cosine to zero at the end
+    assert lr_at(60, world=4, **kw) == pytest.approx(0.05)
+    assert lr_at(100, world=4, **kw) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_step_decay_and_scheduler_matches_function():
+    optim = OptimConfig(lr=0.1, reference_batch=128)
+    sched = ScheduleConfig(warmup_epochs=0, decay="step", step_epochs=(3, 6))
+    kw = dict(optim=optim, sched=sched, batch_size=64, world=2, steps_per_epoch=5, epochs=8)
+    assert lr_at(14, **kw) == pytest.approx(0.1)
+    assert lr_at(15, **kw) == pytest.approx(0.01)
+    assert lr_at(30, **kw) == pytest.approx(0.001)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=123.0)
+    s = make_scheduler(opt, **kw)
+    for step in range(20):
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(step, **kw))
+        opt.step()
+        s.step()
+
+
+def _state(step):
+    return {"model": {"w": torch.full((2,), float(step))}, "optimizer": {}, "scheduler": {},
+            "step": step, "epoch": 0, "step_in_epoch": step, "run_id": "r1"}
+
+
+def test_checkpoint_newest_valid_skips_corrupt_and_foreign(tmp_path):
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(tmp_path, step, _state(step), keep=5)
+    # corrupt the newest: truncated file
+    newest = ckpt.checkpoint_path(tmp_path, 30)
+    newest.write_bytes(newest.read_bytes()[:100])
+    logs = []
+    path, state = ckpt.load_newest_valid(tmp_path, run_id="r1", log=logs.append)
+    assert state["step"] == 20 and path.name == "step-000000020.pt"
+    assert any("step-000000030.pt" in m and "unreadable" in m for m in logs)
+    # a checkpoint of another configuration is never resumed
+    assert ckpt.load_newest_valid(tmp_path, run_id="other", log=logs.append) is None
+
+
+def test_checkpoint_keep_and_atomic(tmp_path):
+    for step in range(1, 6):
+        ckpt.save_checkpoint(tmp_path, step, _state(step), keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000000004.pt", "step-000000005.pt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_load_backbone_keeps_new_head_and_adapts_stem():
+    torch.manual_seed(0)
+    pre = build_model("resnet18", in_channels=3, num_outputs=10)
+    ft = build_model("resnet18", in_channels=1, num_outputs=14)
+    head_before = ft.fc[1].weight.clone()
+    loaded = load_backbone(ft, pre.state_dict())
+    assert "fc.1.weight" not in loaded and "layer4.1.bn2.weight" in loaded
+    assert torch.equal(ft.fc[1].weight, head_before)
+    assert torch.equal(ft.layer1[0].conv1.weight, pre.layer1[0].conv1.weight)
+    assert torch.allclose(ft.conv1.weight[:, 0], pre.conv1.weight.sum(dim=1))
+    assert ft(torch.zeros(2, 1, 32, 32)).shape == (2, 14)
+
+
+def test_load_backbone_wrong_arch_fails():
+    pre = build_model("mobilenet_v3_small", in_channels=1, num_outputs=10)
+    ft = build_model("resnet18", in_channels=1, num_outputs=14)
+    with pytest.raises(ValueError, match="no pretrained tensor"):
+        load_backbone(ft, pre.state_dict())

@@ -1,0 +1,94 @@
+"""The Snakemake workflow itself: the DAG in dry-run, and the whole chain at tiny scale."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, cli_env, horovod_available
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+CHAIN = ["download_file", "write_shards", "gather_shards", "pretrain_model", "finetune_model",
+         "evaluate_model", "render_report"]
+
+
+def tiny_config(backend: str) -> dict:
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["demo_release"].update(n_images=900, image_size=48, images_per_archive=300)
+    cfg["shards"]["nih_demo"].update(image_size=32, samples_per_shard=100)
+    for stage in ("pretrain", "finetune"):
+        cfg[stage]["backend"] = backend
+        cfg[stage]["data"]["crop"] = 32
+        cfg[stage]["checkpoint"]["every_steps"] = 20
+    cfg["pretrain"].update(epochs=2, batch_size=64)
+    cfg["pretrain"]["data"]["samples_per_epoch"] = 2048
+    cfg["finetune"].update(epochs=5, batch_size=32)
+    cfg["evaluate"].update(crop=32, bootstrap_resamples=200)
+    return cfg
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--profile",
+           str(REPO / "profiles/default"), "--cores", "2", *args]
+    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_dag_has_every_stage_in_order(tmp_path):
+    proc = snakemake(tmp_path, "--rulegraph")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nodes = dict(re.findall(r'^\s*(\d+)\[label = "([a-z_]+)"', proc.stdout, re.M))
+    edges = {(nodes[a], nodes[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", proc.stdout, re.M)}
+    for rule in CHAIN:
+        assert rule in nodes.values(), rule
+    for a, b in zip(CHAIN, CHAIN[1:]):
+        assert (a, b) in edges, f"no edge {a} -> {b} in the DAG"
+    dry = snakemake(tmp_path, "-n")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
+    assert int(counts["write_shards"]) == 2 + 3       # fashion_mnist train/t10k + 3 demo archives
+    assert int(counts["download_file"]) == 4 + 6      # 4 Fashion-MNIST files + demo release files
+    assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == "1"
+
+
+def test_invalid_config_key_fails_before_any_job(tmp_path):
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["finetune"]["optim"]["learning_rate"] = 0.1
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "config.yaml"))
+    assert proc.returncode != 0
+    assert "learning_rate" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_end_to_end_tiny(tmp_path):
+    backend = "horovod" if horovod_available() else "ddp"
+    cfgfile = tmp_path / "config.yaml"
+    cfgfile.write_text(yaml.safe_dump(tiny_config(backend)))
+    proc = snakemake(tmp_path, "--configfile", str(cfgfile))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+
+    report = tmp_path / "results/report/chexflow_report.html"
+    html = report.read_text()
+    assert "SYNTHETIC" in html
+    table = re.search(r'<table id="auroc-table">(.*?)</table>', html, re.S).group(1)
+    body = re.search(r"<tbody>(.*?)</tbody>", table, re.S).group(1)
+    rows = re.findall(r'<tr><td class="l">([^<]+)</td><td>([^<]+)</td>', body)
+    assert len(rows) == 14
+    values = [float(v) for _, v in rows]
+    assert all(0.0 <= v <= 1.0 for v in values)
+    metrics = json.loads((tmp_path / "results/evaluate/metrics.json").read_text())
+    assert metrics["mean_auroc"] > 0.55, metrics["mean_auroc"]
+    assert abs(sum(values) / 14 - metrics["mean_auroc"]) < 0.01
+    # pretraining happened and is in the report
+    pre = [json.loads(x) for x in (tmp_path / "results/pretrain/metrics.jsonl").read_text().splitlines()]
+    assert len(pre) == 2 and pre[-1]["val_metric"] > 0.5 and pre[-1]["world_size"] == 2
+    assert "Pretraining" in html or "pretraining" in html
+    # a second run has nothing to do
+    again = snakemake(tmp_path, "--configfile", str(cfgfile))
+    assert again.returncode == 0
+    assert "Nothing to be done" in again.stdout + again.stderr

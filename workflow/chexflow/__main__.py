@@ -1,0 +1,3 @@
+from chexflow.cli import main
+
+main()

@@ -1,0 +1,299 @@
+"""Typed, frozen configuration per stage.
+
+``config.yaml`` is validated by JSON schema in the Snakefile; each rule then hands its stage's
+resolved section to the CLI, which builds one of these dataclasses. The same loader is used when a
+stage is rerun by hand from the ``config.yaml`` it wrote next to its outputs, so a typo is caught
+either way, with the dotted key in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type; the message names the key."""
+
+
+# --------------------------------------------------------------------------- training
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "resnet18"            # any torchvision classification model name
+    in_channels: int = 1              # radiographs are grey; conv1 is adapted to this
+    dropout: float = 0.0              # dropout before the classification head
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    flip: bool = True                 # random horizontal flip (GPU side)
+    scale_min: float = 0.7            # RandomResizedCrop area range [scale_min, 1]
+    rotate_deg: float = 0.0           # random rotation, degrees
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    crop: int = 32                    # training/eval image side in px (centre crop at eval)
+    samples_per_epoch: int | None = None  # cap per epoch (None: the whole train split)
+    workers: int = 1                  # CPU loader workers per rank
+    shuffle_buffer: int = 1000        # streaming shuffle buffer per worker (samples)
+    stage_to: str | None = None       # copy shards to node-local disk first (e.g. "$TMPDIR")
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = 0.1                   # LR for `reference_batch` images; scaled linearly (Goyal et al.)
+    reference_batch: int = 256
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    nesterov: bool = True
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    warmup_epochs: float = 1.0        # gradual warmup from lr/world_size... to the scaled LR
+    decay: Literal["cosine", "step", "none"] = "cosine"
+    step_epochs: tuple[int, ...] = ()  # for decay=step: epochs at which LR is divided by 10
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 200            # periodic checkpoint (also on SIGTERM/SIGUSR1)
+    keep: int = 3                     # newest checkpoints kept
+
+
+@dataclass(frozen=True)
+class HorovodConfig:
+    fp16_compression: bool = False    # hvd.Compression.fp16 for the allreduce
+    fusion_threshold_mb: int = 64     # HOROVOD_FUSION_THRESHOLD
+    backward_passes_per_step: int = 1  # gradient accumulation inside DistributedOptimizer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    stage: Literal["pretrain", "finetune"] = "pretrain"
+    dataset: str = "fashion_mnist"
+    backend: Literal["horovod", "ddp", "single"] = "horovod"
+    init: Literal["random", "pretrained"] = "random"   # finetune: start from the pretrain model
+    epochs: int = 3
+    batch_size: int = 64              # per rank; global batch = batch_size x world size
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"   # auto: bf16 autocast on GPU, fp32 on CPU
+    channels_last: bool = True        # on GPU only
+    compile: bool = False             # torch.compile the model (GPU)
+    deterministic: bool = True        # torch.use_deterministic_algorithms (CPU: bit-identical resume)
+    max_steps: int | None = None      # stop after this many optimizer steps (tests, benchmarks)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    horovod: HorovodConfig = field(default_factory=HorovodConfig)
+
+
+# --------------------------------------------------------------------------- data stages
+
+@dataclass(frozen=True)
+class DemoReleaseConfig:
+    n_images: int = 3000
+    image_size: int = 128
+    images_per_archive: int = 1000
+    test_fraction: float = 0.2
+    seed: int = 2017
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    dataset: str = "nih_demo"
+    image_size: int = 64              # stored side in px (store e.g. 256 for 224 crops)
+    samples_per_shard: int = 1000
+    encoding: Literal["raw", "png"] = "raw"   # raw uint8 needs no decode when training
+    val_fraction: float = 0.1         # share of train(_val) patients carved out for validation
+    split_seed: int = 0
+    max_reject_fraction: float = 0.001
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    batch_size: int = 256
+    bootstrap_resamples: int = 1000
+    seed: int = 0
+    crop: int = 64
+
+
+T = TypeVar("T")
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(value, a, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: unexpected value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}: expected one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (inner, _ellipsis) = typing.get_args(tp)
+        return tuple(_check_type(v, inner, f"{key}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: Any, key: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types by name."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{key}." if key else ""
+        raise ConfigError(f"unknown key(s) {', '.join(where + u for u in unknown)}; "
+                          f"known: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _check_type(value, hints[name], f"{key}.{name}" if key else name)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(obj)))
+
+
+def load_stage_config(cls: type[T], *, path: Path | None = None, text: str | None = None) -> T:
+    """Load a stage config from a YAML/JSON file or string (exactly one of them)."""
+    if (path is None) == (text is None):
+        raise ConfigError("give exactly one of a config file or a config string")
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from exc
+    try:
+        data = json.loads(text)          # what the rules pass (YAML 1.1 misreads e.g. 5e-05)
+    except json.JSONDecodeError:
+        data = None
+    try:
+        data = yaml.safe_load(text) if data is None else data
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path or 'config string'}: not valid YAML/JSON: {exc}") from exc
+    try:
+        return from_dict(cls, data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from exc
+
+
+def write_yaml_atomic(obj: Any, path: Path) -> None:
+    """Write ``obj`` (dataclass or mapping) as YAML via a temp file and rename."""
+    data = to_dict(obj) if dataclasses.is_dataclass(obj) else obj
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- JSON schema of config.yaml
+
+def _schema_of(tp: Any) -> dict:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = _schema_of(args[0])
+        t = inner.get("type")
+        return {**inner, "type": [t, "null"]} if isinstance(t, str) else {"anyOf": [inner, {"type": "null"}]}
+    if origin is Literal:
+        return {"enum": list(typing.get_args(tp))}
+    if origin is tuple:
+        return {"type": "array", "items": _schema_of(typing.get_args(tp)[0])}
+    if dataclasses.is_dataclass(tp):
+        return dataclass_schema(tp)
+    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+            str: {"type": "string"}}.get(tp, {})
+
+
+def dataclass_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict:
+    hints = typing.get_type_hints(cls)
+    props = {f.name: _schema_of(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in exclude}
+    return {"type": "object", "additionalProperties": False, "properties": props}
+
+
+DATASETS = ("fashion_mnist", "nih_demo", "nih")
+
+
+def study_schema() -> dict:
+    """The JSON schema of config.yaml (kept in sync with the dataclasses by a test)."""
+    shard = dataclass_schema(ShardConfig, exclude=("dataset",))
+    train = dataclass_schema(TrainConfig, exclude=("stage", "dataset"))
+    source = {"type": "object", "additionalProperties": False,
+              "properties": {"mirror": {"type": ["string", "null"]}}}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "description": "chexflow config.yaml (generated from chexflow.config: `python -m chexflow.config`)",
+        "type": "object", "additionalProperties": False,
+        "required": ["study", "datasets", "shards", "pretrain", "finetune", "evaluate"],
+        "properties": {
+            "study": {"type": "object", "additionalProperties": False,
+                      "required": ["pretrain_dataset", "finetune_dataset"],
+                      "properties": {"name": {"type": "string"},
+                                     "pretrain_dataset": {"enum": ["fashion_mnist"]},
+                                     "finetune_dataset": {"enum": ["nih_demo", "nih"]}}},
+            "datasets": {"type": "object", "additionalProperties": False,
+                         "properties": {d: source for d in DATASETS}},
+            "demo_release": dataclass_schema(DemoReleaseConfig),
+            "shards": {"type": "object", "additionalProperties": False,
+                       "properties": {d: shard for d in DATASETS}},
+            "pretrain": train,
+            "finetune": train,
+            "evaluate": dataclass_schema(EvaluateConfig),
+        },
+    }
+
+
+if __name__ == "__main__":
+    print(yaml.safe_dump(study_schema(), sort_keys=False), end="")

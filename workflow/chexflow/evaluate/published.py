@@ -1,0 +1,133 @@
+"""Published ChestX-ray14 AUROCs that chexflow's results are compared with.
+
+All per-label tables use the 14 NIH label spellings of ``chexflow.data.nih.LABELS``
+(``Pleural_Thickening`` with an underscore). Means are computed from the per-label
+values, never typed in separately.
+
+Caveat shown in the report: none of these numbers were measured on the same test set.
+CheXNet split ChestX-ray14 at random (patient-wise) itself; arnoweng/CheXNet says it
+randomly split the data 70/10/20; Zech's reproduction uses the split in its own
+``nih_labels.csv``. Differences of a few hundredths are within split-to-split variation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class PublishedResult:
+    """One published result: per-label AUROCs (may be empty) and/or a mean."""
+
+    key: str
+    name: str
+    citation: str
+    url: str
+    per_label: Mapping[str, float] = field(default_factory=dict)
+    reported_mean: float | None = None
+    note: str = ""
+
+    def get(self, label: str, default: float | None = None) -> float | None:
+        """Per-label AUROC like ``dict.get`` (``default`` for labels without a value)."""
+        return self.per_label.get(label, default)
+
+    @property
+    def mean(self) -> float | None:
+        """Mean over the per-label values when given, else the reported mean."""
+        if self.per_label:
+            return sum(self.per_label.values()) / len(self.per_label)
+        return self.reported_mean
+
+
+CHEXNET_AUROC: Mapping[str, float] = MappingProxyType({
+    "Atelectasis": 0.8094,
+    "Cardiomegaly": 0.9248,
+    "Effusion": 0.8638,
+    "Infiltration": 0.7345,
+    "Mass": 0.8676,
+    "Nodule": 0.7802,
+    "Pneumonia": 0.7680,
+    "Pneumothorax": 0.8887,
+    "Consolidation": 0.7901,
+    "Edema": 0.8878,
+    "Emphysema": 0.9371,
+    "Fibrosis": 0.8047,
+    "Pleural_Thickening": 0.8062,
+    "Hernia": 0.9164,
+})
+
+WANG2017_AUROC: Mapping[str, float] = MappingProxyType({
+    "Atelectasis": 0.7003,
+    "Cardiomegaly": 0.8100,
+    "Effusion": 0.7585,
+    "Infiltration": 0.6614,
+    "Mass": 0.6933,
+    "Nodule": 0.6687,
+    "Pneumonia": 0.6580,
+    "Pneumothorax": 0.7993,
+    "Consolidation": 0.7032,
+    "Edema": 0.8052,
+    "Emphysema": 0.8330,
+    "Fibrosis": 0.7859,
+    "Pleural_Thickening": 0.6835,
+    "Hernia": 0.8717,
+})
+
+CHEXNET = PublishedResult(
+    key="chexnet",
+    name="CheXNet",
+    citation=("Rajpurkar P, Irvin J, et al. CheXNet: Radiologist-Level Pneumonia Detection "
+              "on Chest X-Rays with Deep Learning. arXiv:1711.05225 (2017), Table 2."),
+    url="https://arxiv.org/abs/1711.05225",
+    per_label=CHEXNET_AUROC,
+    reported_mean=0.841,
+    note="DenseNet-121, ImageNet-pretrained; random patient-wise split of ChestX-ray14.",
+)
+
+WANG2017 = PublishedResult(
+    key="wang2017",
+    name="Wang et al. 2017",
+    citation=("Wang X, Peng Y, Lu L, Lu Z, Bagheri M, Summers RM. ChestX-ray8: Hospital-scale "
+              "Chest X-ray Database and Benchmarks on Weakly-Supervised Classification and "
+              "Localization of Common Thorax Diseases. CVPR 2017 (arXiv:1705.02315)."),
+    url="https://arxiv.org/abs/1705.02315",
+    per_label=WANG2017_AUROC,
+    note=("ResNet-50 baseline, 14-label ChestX-ray14 results of the revised arXiv version "
+          "(the CheXNet paper tabulates an earlier version's values, e.g. Atelectasis 0.716)."),
+)
+
+ARNOWENG = PublishedResult(
+    key="arnoweng",
+    name="arnoweng/CheXNet (reimplementation)",
+    citation=("Weng X, Zhuang N, Tian J, Liu Y. CheXNet for Classification and Localization "
+              "of Thoracic Diseases (PyTorch reimplementation). GitHub: arnoweng/CheXNet."),
+    url="https://github.com/arnoweng/CheXNet",
+    reported_mean=0.847,
+    note=("Mean of their 'improved model' as stated in the README; data randomly split "
+          "70/10/20 by the authors, not the official NIH train_val_list/test_list."),
+)
+
+ZECH = PublishedResult(
+    key="zech",
+    name="Zech, reproduce-chexnet",
+    citation="Zech J. reproduce-chexnet. GitHub repository (2018): jrzech/reproduce-chexnet.",
+    url="https://github.com/jrzech/reproduce-chexnet",
+    reported_mean=0.836,
+    note=("Mean of the 14 AUROCs in the 2018 pretrained/aucs.csv (0.8358); the split comes "
+          "from the repository's own nih_labels.csv, not the official NIH split files."),
+)
+
+REPRODUCTIONS: tuple[PublishedResult, ...] = (ARNOWENG, ZECH)
+
+SPLIT_CAVEAT = (
+    "The published numbers were measured on test sets the authors split themselves (random "
+    "splits), not on the official NIH test_list.txt, and not on the images tested here. "
+    "Use them as a reference point, not as a like-for-like comparison."
+)
+
+
+def chexnet_auroc(label: str) -> float | None:
+    """CheXNet's published AUROC for ``label`` (None for an unknown label)."""
+    return CHEXNET_AUROC.get(label)

@@ -1,0 +1,96 @@
+"""Evaluation stage: predictions of the selected model on validation and test, AUROC with CIs.
+
+The model arriving here was selected on validation by the fine-tuning stage; the test split is
+used once, here, and never for selection. Operating points are chosen on validation (Youden's J)
+and then applied to test.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from chexflow.config import EvaluateConfig
+from chexflow.data import loader as data
+from chexflow.evaluate import metrics as M
+from chexflow.evaluate.published import CHEXNET
+from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.train.checkpoint import load_model_file
+from chexflow.train.models import build_model
+
+
+def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+    stream = data.ShardStream(shards, rank=0, world=1, seed=0, shuffle=False)
+    loader = data.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
+    scores, targets, patients, images = [], [], [], []
+    model.eval()
+    with torch.no_grad():
+        for x, y, keys in loader:
+            z = data.gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
+            scores.append(torch.sigmoid(model(z).float()).cpu().numpy())
+            targets.append(y.numpy().astype(np.float64))
+            for k in keys:
+                p, i = k.split("\t", 1)
+                patients.append(p)
+                images.append(i)
+    return np.concatenate(scores), np.concatenate(targets), patients, images
+
+
+def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path) -> dict:
+    out_dir = Path(out_dir)
+    info = load_model_file(model_path)
+    if info.get("task") != "multilabel":
+        raise ValueError(f"{model_path}: evaluation expects the fine-tuned multi-label model, got task {info.get('task')!r}")
+    labels = list(info["labels"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
+    model.load_state_dict(info["state_dict"])
+    model.to(device)
+    crop = int(info.get("crop", cfg.crop))
+
+    val = predict(model, data.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
+    test = predict(model, data.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)
+    s, y, patients, images = test
+
+    per_label = M.auroc_per_label(y, s, labels)
+    boot = M.bootstrap_auroc(y, s, np.asarray(patients), labels, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
+    result = {"labels": {}, "mean_auroc": M.mean_auroc(per_label), "n_images": int(len(images)),
+              "n_patients": int(len(set(patients))), "model": str(model_path),
+              "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
+              "bootstrap": {"n_resamples": cfg.bootstrap_resamples, "seed": cfg.seed,
+                            "mean_auroc_ci": boot.get("mean_auroc_ci")}}
+    vs, vy = val[0], val[1]
+    for j, label in enumerate(labels):
+        known = ~np.isnan(y[:, j])
+        entry = {"auroc": per_label[label], "n_pos": int((y[known, j] == 1).sum()),
+                 "n_neg": int((y[known, j] == 0).sum()),
+                 "ci": boot.get("labels", {}).get(label, {}).get("ci"), "chexnet": CHEXNET.get(label)}
+        vknown = ~np.isnan(vy[:, j])
+        if len(np.unique(vy[vknown, j])) == 2 and len(np.unique(y[known, j])) == 2:
+            thr = M.youden_threshold(vy[vknown, j], vs[vknown, j])
+            entry["threshold_val_youden"] = float(thr)
+            entry["test_operating_point"] = M.operating_point(y[known, j], s[known, j], thr)
+        result["labels"][label] = entry
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cols = {"image": images, "patient": patients}
+    for j, label in enumerate(labels):
+        cols[label] = y[:, j]
+        cols[f"{label}_score"] = s[:, j]
+    with atomic_path(out_dir / "predictions.csv") as tmp:
+        pd.DataFrame(cols).to_csv(tmp, index=False, float_format="%.6g")
+    rows = [{"label": L, "auroc": result["labels"][L]["auroc"],
+             "ci_low": (result["labels"][L]["ci"] or [None, None])[0],
+             "ci_high": (result["labels"][L]["ci"] or [None, None])[1],
+             "chexnet": CHEXNET.get(L)} for L in labels]
+    rows.append({"label": "mean", "auroc": result["mean_auroc"],
+                 "ci_low": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[0],
+                 "ci_high": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[1],
+                 "chexnet": CHEXNET.get("mean", 0.841)})
+    with atomic_path(out_dir / "auroc.csv") as tmp:
+        pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
+    write_text_atomic(out_dir / "metrics.json", json.dumps(result, indent=1, default=float))
+    return result

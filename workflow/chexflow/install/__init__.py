@@ -1,0 +1,1 @@
+"""Installers for chexflow's native dependencies (``python -m chexflow.install.horovod``)."""

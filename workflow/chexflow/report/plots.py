@@ -1,0 +1,143 @@
+"""Matplotlib figures for the report, returned as ``data:image/png;base64,...`` URIs.
+
+Uses the object-oriented API (``matplotlib.figure.Figure`` rendered by the Agg canvas),
+never ``pyplot``: no global backend switch, no display needed, safe on compute nodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+OURS_COLOR = "#1f6fb4"
+CHEXNET_COLOR = "#e07b39"
+WANG_COLOR = "#9a9a9a"
+
+
+def display_name(label: str) -> str:
+    return label.replace("_", " ")
+
+
+def figure_to_data_uri(fig: Figure, *, dpi: int = 100) -> str:
+    """PNG of ``fig`` as a base64 data URI."""
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _series(epochs: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for e in epochs:
+        v = e.get(key)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        xs.append(float(e["epoch"]))
+        ys.append(float(v))
+    return xs, ys
+
+
+def training_curves(epochs: Sequence[Mapping[str, Any]], title: str) -> str:
+    """2x2 panel: train/val loss, validation metric, learning rate, images/s per epoch."""
+    fig = Figure(figsize=(10, 6.4))
+    axes = fig.subplots(2, 2)
+    metric_name = next((str(e["val_metric_name"]) for e in epochs if e.get("val_metric_name")), "val_metric")
+
+    ax = axes[0, 0]
+    for key, style, name in (("train_loss", "-o", "train"), ("val_loss", "-s", "validation")):
+        xs, ys = _series(epochs, key)
+        if xs:
+            ax.plot(xs, ys, style, ms=3, label=name)
+    ax.set_title("Loss")
+    ax.legend(fontsize=8)
+
+    ax = axes[0, 1]
+    xs, ys = _series(epochs, "val_metric")
+    ax.plot(xs, ys, "-o", ms=3, color="#2a9d8f")
+    ax.set_title(f"Validation {metric_name.replace('_', ' ')}")
+
+    ax = axes[1, 0]
+    xs, ys = _series(epochs, "lr")
+    ax.plot(xs, ys, "-o", ms=3, color="#8e44ad")
+    if ys and min(ys) > 0 and max(ys) / min(ys) > 20:
+        ax.set_yscale("log")
+    ax.set_title("Learning rate")
+
+    ax = axes[1, 1]
+    xs, ys = _series(epochs, "images_per_sec")
+    ax.plot(xs, ys, "-o", ms=3, color="#c0392b")
+    ax.set_title("Throughput (images/s)")
+    ax.set_ylim(bottom=0)
+
+    for ax in axes.flat:
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return figure_to_data_uri(fig)
+
+
+def auroc_bars(labels: Sequence[str], ours: Mapping[str, float | None], chexnet: Mapping[str, float],
+               wang: Mapping[str, float] | None = None) -> str:
+    """Horizontal grouped bars of per-label AUROC: ours vs CheXNet (and Wang et al.)."""
+    series = [("This run", ours, OURS_COLOR), ("CheXNet", chexnet, CHEXNET_COLOR)]
+    if wang:
+        series.append(("Wang et al. 2017", wang, WANG_COLOR))
+    n = len(labels)
+    height = 0.8 / len(series)
+    shown = [v for _, values, _ in series for v in (values.get(lab) for lab in labels) if v is not None]
+    left = min(0.5, math.floor((min(shown, default=0.5) - 0.02) * 10) / 10)
+    fig = Figure(figsize=(8.5, 0.48 * n + 1.4))
+    ax = fig.subplots()
+    y = np.arange(n)
+    for k, (name, values, color) in enumerate(series):
+        vals = [values.get(lab) for lab in labels]
+        pos = y - 0.4 + height * (k + 0.5)
+        ax.barh(pos, [v if v is not None else 0.0 for v in vals], height=height, color=color, label=name)
+        for p, v in zip(pos, vals):
+            if v is None:
+                ax.text(left + 0.005, p, "n/a", va="center", fontsize=7)
+    ax.set_yticks(y, [display_name(lab) for lab in labels])
+    ax.invert_yaxis()
+    ax.set_xlim(left, 1.0)
+    ax.axvline(0.5, color="black", lw=0.8)
+    ax.set_xlabel("AUROC")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.48 * n + 1.4) - 0.04), ncol=len(series),
+              fontsize=8, frameon=False)
+    ax.set_title("Per-label test AUROC")
+    fig.tight_layout()
+    return figure_to_data_uri(fig)
+
+
+def roc_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, tuple[float, float] | None]]) -> str:
+    """Grid of ROC curves. ``curves[label] = (fpr, tpr, auroc, youden (fpr, tpr) or None)``."""
+    labels = list(curves)
+    ncols = 5
+    nrows = max(1, math.ceil(len(labels) / ncols))
+    fig = Figure(figsize=(2.6 * ncols, 2.7 * nrows))
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    for ax, label in zip(axes, labels):
+        fpr, tpr, auc, youden = curves[label]
+        ax.plot([0, 1], [0, 1], ls="--", color="#bbbbbb", lw=0.8)
+        ax.plot(fpr, tpr, color=OURS_COLOR, lw=1.5)
+        if youden is not None:
+            ax.plot([youden[0]], [youden[1]], "o", color=CHEXNET_COLOR, ms=4)
+        ax.set_title(f"{display_name(label)} (AUROC {auc:.3f})", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.01)
+        ax.set_aspect("equal")
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("1 - specificity", fontsize=8)
+        ax.set_ylabel("sensitivity", fontsize=8)
+    for ax in axes[len(labels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return figure_to_data_uri(fig)

@@ -1,0 +1,455 @@
+"""Render the single-file HTML report of a chexflow run.
+
+Everything is embedded (inline CSS, figures as base64 PNG data URIs): the HTML opens
+offline, can be mailed, and references no external asset. The Jinja2 template
+``templates/report.html.j2`` is loaded as package data through importlib.resources.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import numpy as np
+import pandas as pd
+import yaml
+from sklearn.metrics import auc, roc_curve
+
+from chexflow.evaluate import published
+from chexflow.evaluate.metrics import operating_point, youden_threshold
+from chexflow.report import plots
+
+__all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions"]
+
+SYNTHETIC_BANNER = ("These results are on the embedded SYNTHETIC demo data (phantoms, not real radiographs): "
+                    "the numbers say nothing about real chest X-ray performance.")
+
+PROVENANCE_PACKAGES = ("torch", "torchvision", "horovod", "snakemake", "scikit-learn", "numpy", "pandas",
+                       "matplotlib", "jinja2", "webdataset")
+EPOCH_KEYS = ("epoch", "train_loss", "val_loss", "val_metric", "val_metric_name", "lr", "images_per_sec",
+              "epoch_time_s", "world_size")
+TEMPLATE_NAME = "report.html.j2"
+
+
+class ReportInputError(ValueError):
+    """An input of the report is missing or malformed; the message names the file."""
+
+
+# --------------------------------------------------------------------------- provenance
+def package_versions(names: tuple[str, ...] = PROVENANCE_PACKAGES) -> dict[str, str]:
+    """Installed distribution versions (``"not installed"`` when absent), plus python."""
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _git(repo_dir: Path, *args: str) -> str | None:
+    try:
+        res = subprocess.run(["git", "-C", str(repo_dir), *args], capture_output=True, text=True, timeout=20,
+                             check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def collect_provenance(repo_dir: Path | None) -> dict[str, Any]:
+    """Git commit (``"unknown"`` without git/repo), dirty flag, host, UTC date, versions, SLURM job id."""
+    commit = dirty = None
+    if repo_dir is not None:
+        commit = _git(Path(repo_dir), "rev-parse", "HEAD")
+        if commit is not None:
+            status = _git(Path(repo_dir), "status", "--porcelain", "--untracked-files=no")
+            dirty = bool(status) if status is not None else None
+    prov: dict[str, Any] = {
+        "git_commit": commit or "unknown",
+        "git_dirty": dirty,
+        "host": socket.gethostname(),
+        "date_utc": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+        "platform": platform.platform(),
+        "packages": package_versions(),
+    }
+    if os.environ.get("SLURM_JOB_ID"):
+        prov["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    return prov
+
+
+# --------------------------------------------------------------------------- loaders
+def _read_json(path: Path, what: str) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{what} {path} is not valid JSON: {exc}") from exc
+
+
+def _number_or_none(value: Any, path: Path, key: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReportInputError(f"{path}: {key} must be a number or null, got {value!r}")
+    return None if math.isnan(float(value)) else float(value)
+
+
+def _ci_pair(value: Any, path: Path, key: str) -> list[float | None] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ReportInputError(f"{path}: {key} must be [low, high] or null, got {value!r}")
+    return [_number_or_none(v, path, key) for v in value]
+
+
+def load_metrics_json(path: Path) -> dict[str, Any]:
+    """Evaluation metrics.json (contract format).
+
+    Optional extras that are shown when present: a per-label CI as ``ci_low``/``ci_high`` or
+    ``ci: [low, high]``; the mean's CI as top-level ``mean_auroc_ci`` or
+    ``bootstrap.mean_auroc_ci``; per-label ``threshold_val_youden`` with
+    ``test_operating_point`` (the dict of ``metrics.operating_point``).
+    """
+    data = _read_json(path, "metrics.json")
+    if not isinstance(data, dict):
+        raise ReportInputError(f"{path}: top level must be an object")
+    for key in ("labels", "mean_auroc", "n_images", "n_patients"):
+        if key not in data:
+            raise ReportInputError(f"{path}: missing key {key!r}")
+    if not isinstance(data["labels"], dict) or not data["labels"]:
+        raise ReportInputError(f"{path}: 'labels' must be a non-empty object label -> {{auroc, n_pos, n_neg}}")
+    labels: dict[str, dict[str, Any]] = {}
+    for label, entry in data["labels"].items():
+        if not isinstance(entry, dict) or "auroc" not in entry:
+            raise ReportInputError(f"{path}: labels[{label!r}] must be an object with an 'auroc' key")
+        ci = _ci_pair(entry.get("ci"), path, f"labels[{label!r}].ci") or [
+            _number_or_none(entry.get("ci_low"), path, f"labels[{label!r}].ci_low"),
+            _number_or_none(entry.get("ci_high"), path, f"labels[{label!r}].ci_high")]
+        op = entry.get("test_operating_point")
+        if op is not None and not isinstance(op, dict):
+            raise ReportInputError(f"{path}: labels[{label!r}].test_operating_point must be an object")
+        labels[label] = {
+            "auroc": _number_or_none(entry["auroc"], path, f"labels[{label!r}].auroc"),
+            "n_pos": entry.get("n_pos"),
+            "n_neg": entry.get("n_neg"),
+            "ci_low": ci[0],
+            "ci_high": ci[1],
+            "val_operating_point": op,
+        }
+    boot = data.get("bootstrap") if isinstance(data.get("bootstrap"), dict) else {}
+    mean_ci = _ci_pair(data.get("mean_auroc_ci", boot.get("mean_auroc_ci")), path, "mean_auroc_ci")
+    return {
+        "labels": labels,
+        "mean_auroc": _number_or_none(data["mean_auroc"], path, "mean_auroc"),
+        "mean_auroc_ci": mean_ci if mean_ci and None not in mean_ci else None,
+        "n_images": data["n_images"],
+        "n_patients": data["n_patients"],
+    }
+
+
+def load_metrics_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
+    """Per-epoch training metrics (one JSON object per line, contract keys)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} training metrics not found: {path}")
+    epochs = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReportInputError(f"{path}:{lineno}: not valid JSON: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ReportInputError(f"{path}:{lineno}: expected a JSON object per line")
+        missing = [k for k in ("epoch", "train_loss", "val_metric") if k not in obj]
+        if missing:
+            raise ReportInputError(f"{path}:{lineno}: missing key(s) {missing}")
+        epochs.append(obj)
+    if not epochs:
+        raise ReportInputError(f"{path}: no epochs recorded ({what} training metrics are empty)")
+    return epochs
+
+
+def load_manifest(path: Path, dataset: str) -> dict[str, Any]:
+    """Shard manifest (``data/shards/<dataset>/manifest.json``)."""
+    data = _read_json(path, f"manifest of dataset {dataset!r}")
+    if not isinstance(data, dict):
+        raise ReportInputError(f"{path}: top level must be an object")
+    for key in ("splits", "labels"):
+        if key not in data:
+            raise ReportInputError(f"{path}: missing key {key!r}")
+    if not isinstance(data["splits"], dict) or not data["splits"]:
+        raise ReportInputError(f"{path}: 'splits' must be a non-empty object")
+    for split, info in data["splits"].items():
+        if not isinstance(info, dict) or "n_images" not in info:
+            raise ReportInputError(f"{path}: splits[{split!r}] must be an object with 'n_images'")
+    return data
+
+
+def load_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
+    """predictions.csv: image, patient, then per label ``L`` (0/1/empty) and ``L_score``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"predictions.csv not found: {path}")
+    try:
+        df = pd.read_csv(path, dtype={"image": str, "patient": str})
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{path}: cannot parse as CSV: {exc}") from exc
+    needed = ["image", "patient"] + [c for lab in labels for c in (lab, f"{lab}_score")]
+    missing = [c for c in needed if c not in df.columns]
+    if missing:
+        raise ReportInputError(f"{path}: missing column(s) {missing}")
+    for lab in labels:
+        for col in (lab, f"{lab}_score"):
+            if not pd.api.types.is_numeric_dtype(df[col]):
+                raise ReportInputError(f"{path}: column {col!r} is not numeric")
+    return df
+
+
+def load_benchmark(path: Path, stage: str) -> dict[str, Any]:
+    """Snakemake ``benchmark:`` file (TSV with header ``s  h:m:s  max_rss ...``); repeats averaged."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"benchmark file of stage {stage!r} not found: {path}")
+    try:
+        df = pd.read_csv(path, sep="\t", na_values=["-", "NA"])
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise ReportInputError(f"{path}: cannot parse Snakemake benchmark TSV: {exc}") from exc
+    if "s" not in df.columns or df.empty:
+        raise ReportInputError(f"{path}: expected a Snakemake benchmark TSV with an 's' column and a data row")
+    seconds = float(pd.to_numeric(df["s"], errors="coerce").mean())
+    rss = pd.to_numeric(df["max_rss"], errors="coerce").max() if "max_rss" in df.columns else float("nan")
+    return {"stage": stage, "seconds": seconds, "hms": _hms(seconds), "repeats": int(len(df)),
+            "max_rss_mb": None if pd.isna(rss) else float(rss)}
+
+
+# --------------------------------------------------------------------------- view model
+def _hms(seconds: float | None) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "n/a"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+@dataclass(frozen=True)
+class AurocRow:
+    label: str
+    display: str
+    ours: float | None
+    ci_low: float | None
+    ci_high: float | None
+    n_pos: Any
+    n_neg: Any
+    chexnet: float | None
+    wang: float | None
+
+    @property
+    def diff(self) -> float | None:
+        return None if self.ours is None or self.chexnet is None else self.ours - self.chexnet
+
+
+def _auroc_rows(metrics: dict[str, Any]) -> list[AurocRow]:
+    return [AurocRow(label=lab, display=plots.display_name(lab), ours=e["auroc"], ci_low=e["ci_low"],
+                     ci_high=e["ci_high"], n_pos=e["n_pos"], n_neg=e["n_neg"],
+                     chexnet=published.CHEXNET_AUROC.get(lab), wang=published.WANG2017_AUROC.get(lab))
+            for lab, e in metrics["labels"].items()]
+
+
+def _mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _mean_row(rows: list[AurocRow], metrics: dict[str, Any]) -> dict[str, Any]:
+    defined = [r for r in rows if r.ours is not None]
+    chexnet = _mean([r.chexnet for r in defined])
+    ours = metrics["mean_auroc"]
+    ci = metrics["mean_auroc_ci"]
+    return {
+        "ours": ours, "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
+        "chexnet": chexnet, "wang": _mean([r.wang for r in defined]),
+        "diff": None if ours is None or chexnet is None else ours - chexnet,
+        "n_defined": len(defined), "n_labels": len(rows),
+    }
+
+
+def _dataset_view(name: str, manifest: dict[str, Any], path: Path) -> dict[str, Any]:
+    splits = []
+    for split, info in manifest["splits"].items():
+        splits.append({"name": split, "n_images": info.get("n_images"), "n_patients": info.get("n_patients"),
+                       "n_shards": info.get("n_shards", len(info.get("shards", []) or []))})
+    prevalence = []
+    for label in manifest["labels"]:
+        cells = []
+        for split, info in manifest["splits"].items():
+            count = (info.get("label_counts") or {}).get(label)
+            n = info.get("n_images") or 0
+            cells.append({"count": count, "pct": (100.0 * count / n) if count is not None and n else None})
+        prevalence.append({"label": plots.display_name(str(label)), "cells": cells})
+    return {"name": name, "title": manifest.get("title", name), "synthetic": bool(manifest.get("synthetic", False)),
+            "task": manifest.get("task", "?"), "image_size": manifest.get("image_size"),
+            "n_rejects": manifest.get("n_rejects"), "splits": splits, "split_names": list(manifest["splits"]),
+            "prevalence": prevalence, "path": str(path)}
+
+
+def _training_view(epochs: list[dict[str, Any]], title: str) -> dict[str, Any]:
+    last = epochs[-1]
+    total = sum(float(e.get("epoch_time_s") or 0.0) for e in epochs)
+    metric_name = str(last.get("val_metric_name") or "val_metric")
+    best = max((e for e in epochs if e.get("val_metric") is not None), key=lambda e: e["val_metric"], default=None)
+    return {
+        "title": title,
+        "plot": plots.training_curves(epochs, title),
+        "n_epochs": len(epochs),
+        "world_size": last.get("world_size"),
+        "total_time": _hms(total),
+        "metric_name": metric_name.replace("_", " "),
+        "final_metric": last.get("val_metric"),
+        "best_metric": None if best is None else best["val_metric"],
+        "best_epoch": None if best is None else best["epoch"],
+        "mean_images_per_sec": _mean([e.get("images_per_sec") for e in epochs]),
+        "rows": [{k: e.get(k) for k in EPOCH_KEYS} for e in epochs],
+    }
+
+
+def _roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """ROC curves from predictions.csv and operating points.
+
+    Operating points come from metrics.json (threshold chosen on the validation set) when it
+    has them; otherwise the Youden threshold is chosen on the test predictions themselves
+    (flagged as optimistic in the report).
+    """
+    val_ops = {lab: metrics["labels"][lab]["val_operating_point"] for lab in labels
+               if metrics["labels"][lab]["val_operating_point"]}
+    if df is None and not val_ops:
+        return None
+    source = "validation" if val_ops else "test"
+    curves: dict[str, Any] = {}
+    ops = []
+    for lab in labels:
+        op = val_ops.get(lab)
+        if df is not None:
+            known = df[lab].notna()
+            t = df.loc[known, lab].to_numpy(dtype=float)
+            s = df.loc[known, f"{lab}_score"].to_numpy(dtype=float)
+            if np.unique(t).size == 2:
+                fpr, tpr, _ = roc_curve(t.astype(int), s)
+                if source == "test":
+                    op = operating_point(t, s, youden_threshold(t, s))
+                dot = None
+                if op and op.get("sensitivity") is not None and op.get("specificity") is not None:
+                    dot = (1.0 - op["specificity"], op["sensitivity"])
+                curves[lab] = (fpr, tpr, float(auc(fpr, tpr)), dot)
+        ops.append({"display": plots.display_name(lab), "op": op})
+    return {"plot": plots.roc_grid(curves) if curves else None, "operating_points": ops,
+            "threshold_source": source,
+            "n_images": None if df is None else int(len(df)),
+            "n_patients": None if df is None else int(df["patient"].nunique())}
+
+
+def _yaml(config: dict[str, Any]) -> str:
+    plain = json.loads(json.dumps(config, default=str))  # Paths etc. -> str
+    return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _signed(value: Any, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:+.{digits}f}"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True)
+    env.filters["fmt"] = _fmt
+    env.filters["signed"] = _signed
+    return env
+
+
+def _template() -> jinja2.Template:
+    template_file = resources.files("chexflow.report").joinpath("templates").joinpath(TEMPLATE_NAME)
+    source = template_file.read_text(encoding="utf-8")
+    return _environment().from_string(source)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------- entry point
+def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path | None, pretrain_metrics: Path,
+                  finetune_metrics: Path, manifests: dict[str, Path], config: dict, provenance: dict,
+                  stage_benchmarks: dict[str, Path] | None = None) -> None:
+    """Write the self-contained HTML report to ``out_html`` (atomically)."""
+    out_html = Path(out_html)
+    metrics = load_metrics_json(Path(metrics_json))
+    labels = list(metrics["labels"])
+    pretrain = load_metrics_jsonl(Path(pretrain_metrics), "pretraining")
+    finetune = load_metrics_jsonl(Path(finetune_metrics), "fine-tuning")
+    datasets = [_dataset_view(name, load_manifest(Path(p), name), Path(p)) for name, p in manifests.items()]
+    synthetic = [d["name"] for d in datasets if d["synthetic"]]
+    benchmarks = [load_benchmark(Path(p), stage) for stage, p in (stage_benchmarks or {}).items()]
+    predictions = load_predictions(Path(predictions_csv), labels) if predictions_csv else None
+    roc = _roc_view(predictions, labels, metrics)
+
+    rows = _auroc_rows(metrics)
+    prov = dict(provenance)
+    prov.setdefault("packages", package_versions())
+    prov.setdefault("git_commit", "unknown")
+    packages = prov.pop("packages")
+
+    context = {
+        "title": "chexflow report",
+        "generated_utc": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+        "synthetic_banner": SYNTHETIC_BANNER if synthetic else None,
+        "synthetic_datasets": synthetic,
+        "datasets": datasets,
+        "benchmarks": benchmarks,
+        "total_stage_time": _hms(sum(b["seconds"] for b in benchmarks)) if benchmarks else None,
+        "metrics": metrics,
+        "rows": rows,
+        "mean": _mean_row(rows, metrics),
+        "bars": plots.auroc_bars(labels, {r.label: r.ours for r in rows}, published.CHEXNET_AUROC,
+                                 published.WANG2017_AUROC),
+        "has_ci": any(r.ci_low is not None for r in rows),
+        "roc": roc,
+        "training": [_training_view(pretrain, "Pretraining"), _training_view(finetune, "Fine-tuning")],
+        "published": [published.CHEXNET, published.WANG2017, *published.REPRODUCTIONS],
+        "split_caveat": published.SPLIT_CAVEAT,
+        "config_yaml": _yaml(config),
+        "provenance": prov,
+        "packages": packages,
+    }
+    _write_atomic(out_html, _template().render(**context))

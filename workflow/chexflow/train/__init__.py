@@ -1,0 +1,1 @@
+"""Distributed training: one loop (trainer.py) behind one small distributed interface."""

@@ -1,0 +1,104 @@
+"""The one distributed interface the trainer sees.
+
+Every Horovod call lives in ``horovod_backend.py`` and every ``torch.distributed`` call in
+``ddp_backend.py``; the trainer only calls the methods of :class:`Backend`. ``single`` runs one
+process without any communication library (laptops, debugging).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+
+class DistributedError(RuntimeError):
+    """The launch environment and the requested backend do not fit together."""
+
+
+class Backend:
+    """World of ranks. Subclasses implement the communication; this class is the single-process one."""
+
+    name = "single"
+
+    def __init__(self) -> None:
+        self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
+
+    # ---- topology
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    # ---- communication (single process: identities)
+    def broadcast_model(self, model: torch.nn.Module) -> None:
+        """Parameters and buffers of rank 0 to all ranks (call before channels_last)."""
+
+    def broadcast_buffers(self, model: torch.nn.Module) -> None:
+        """Buffers (BatchNorm running statistics) of rank 0 to all ranks, so every rank evaluates
+        exactly the model rank 0 saves."""
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Optimizer state of rank 0 to all ranks."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def allreduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def allreduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    # ---- gradient averaging
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, fp16_compression: bool,
+             backward_passes_per_step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Return (model, optimizer) that average gradients over ranks on ``optimizer.step()``."""
+        return model, optimizer
+
+    def no_sync(self, model: torch.nn.Module):
+        """Context for backward passes that only accumulate (gradient accumulation)."""
+        import contextlib
+        return contextlib.nullcontext()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def init_backend(name: str, *, fusion_threshold_mb: int = 64) -> Backend:
+    """Initialise the backend named in the config (``horovod`` | ``ddp`` | ``single``)."""
+    if name == "single":
+        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1)
+        if world > 1:
+            raise DistributedError(f"backend 'single' cannot run {world} ranks; use horovod or ddp")
+        return Backend()
+    if name == "horovod":
+        from chexflow.train.horovod_backend import HorovodBackend
+        return HorovodBackend(fusion_threshold_mb=fusion_threshold_mb)
+    if name == "ddp":
+        from chexflow.train.ddp_backend import DDPBackend
+        return DDPBackend()
+    raise DistributedError(f"train.backend: unknown backend {name!r} (horovod | ddp | single)")
+
+
+def expected_world_size() -> int | None:
+    """World size the launcher announced (horovodrun, srun, torchrun), if any."""
+    for var in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return None
+
+
+def gather_arrays(backend: Backend) -> Callable:
+    """A ``gather`` callable for metric classes: concatenates every rank's arrays on every rank."""
+    import numpy as np
+
+    def gather(local: list) -> list:
+        parts = backend.allgather_object([np.asarray(a) for a in local])
+        return [np.concatenate([p[i] for p in parts]) for i in range(len(local))]
+    return gather

@@ -1,0 +1,71 @@
+"""Horovod behind the Backend interface. Every ``hvd`` call of chexflow is in this file."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from chexflow.train.distributed import Backend, DistributedError, expected_world_size
+
+
+class HorovodBackend(Backend):
+    name = "horovod"
+
+    def __init__(self, *, fusion_threshold_mb: int = 64) -> None:
+        os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", str(fusion_threshold_mb * 1024 * 1024))
+        try:
+            import horovod.torch as hvd
+        except ImportError as exc:
+            raise DistributedError(
+                "train.backend is 'horovod' but horovod is not importable "
+                f"({exc}); build it with `python -m chexflow.install.horovod` or set train.backend: ddp"
+            ) from exc
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        self.local_size = hvd.local_size()
+        expected = expected_world_size()
+        if expected and expected != self.size:
+            raise DistributedError(
+                f"the launcher started {expected} ranks but Horovod formed a world of {self.size}: "
+                "under srun Horovod must be built with MPI (HOROVOD_WITH_MPI) and started with "
+                "--mpi=pmix; check `horovodrun --check-build`")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+
+    def broadcast_model(self, model: torch.nn.Module) -> None:
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    def broadcast_buffers(self, model: torch.nn.Module) -> None:
+        buffers = {name: buf for name, buf in model.named_buffers() if buf.is_floating_point()}
+        if buffers:
+            self.hvd.broadcast_parameters(buffers, root_rank=0)
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
+    def allreduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self.hvd.allreduce(value, op=self.hvd.Average)
+
+    def allreduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        return self.hvd.allreduce(value, op=self.hvd.Max)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.hvd.allgather_object(obj)
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def wrap(self, model, optimizer, *, fp16_compression: bool, backward_passes_per_step: int):
+        compression = self.hvd.Compression.fp16 if fp16_compression else self.hvd.Compression.none
+        optimizer = self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression,
+            backward_passes_per_step=backward_passes_per_step, op=self.hvd.Average)
+        return model, optimizer
+
+    def shutdown(self) -> None:
+        self.hvd.shutdown()

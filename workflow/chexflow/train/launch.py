@@ -1,0 +1,95 @@
+"""Start N ranks of a command: locally (horovodrun / torchrun) or under SLURM (srun).
+
+The training rule runs ``{resources.mpi} -n {resources.tasks} chexflow train ...``. On SLURM the
+profile sets ``mpi`` to an ``srun --mpi=pmix ...`` line; on a workstation to ``chexflow launch``,
+which starts the ranks on this machine with the launcher of the configured backend
+(``CHEXFLOW_BACKEND``): ``horovodrun --gloo`` for Horovod, ``torchrun`` for DDP. If any rank dies
+the launcher stops the others and exits non-zero, so Snakemake sees a failure and a retry resumes.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+
+def local_command(backend: str, n: int, cmd: list[str]) -> list[str]:
+    if not cmd:
+        raise ValueError("chexflow launch: no command to launch (expected: chexflow launch -n N CMD ...)")
+    if n < 1:
+        raise ValueError(f"chexflow launch: -n must be >= 1, got {n}")
+    if backend == "horovod":
+        horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        if not os.path.exists(horovodrun):
+            raise FileNotFoundError("horovodrun not found: build Horovod with `python -m chexflow.install.horovod`"
+                                    " or set train.backend: ddp")
+        return [horovodrun, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interface", "lo",
+                "--start-timeout", "120", *cmd]
+    if backend == "ddp":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+        return [torchrun, "--nnodes", "1", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
+                "--master-port", str(port), "--no-python", *cmd]
+    if backend == "single":
+        if n != 1:
+            raise ValueError(f"backend 'single' runs one rank, not {n}")
+        return list(cmd)
+    raise ValueError(f"unknown backend {backend!r} (horovod | ddp | single)")
+
+
+def _become_subreaper() -> None:
+    """Orphaned ranks (e.g. after the horovodrun/torchrun process died) are re-parented to us."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)      # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _descendants() -> list:
+    import psutil
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal_all(signum: int) -> None:
+    import psutil
+    for child in _descendants():
+        try:
+            child.send_signal(signum)
+        except psutil.Error:
+            pass
+
+
+def launch(backend: str, n: int, cmd: list[str]) -> int:
+    """Run the ranks below this process; SIGTERM/SIGUSR1/SIGINT go to every rank directly.
+
+    If the rank launcher exits (any rank failed, or the launcher itself died) every remaining
+    descendant is killed, so no rank outlives the job and a failure is seen at once.
+    """
+    argv = local_command(backend, n, cmd)
+    print("launch:", " ".join(argv), file=sys.stderr, flush=True)
+    _become_subreaper()
+    proc = subprocess.Popen(argv)
+
+    def forward(signum, _frame):
+        _signal_all(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = proc.wait()
+    _signal_all(signal.SIGKILL)
+    for child in _descendants():
+        try:
+            child.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+    return code

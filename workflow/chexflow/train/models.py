@@ -1,0 +1,83 @@
+"""Backbones from torchvision with a grey-image stem and a task head."""
+from __future__ import annotations
+
+import torch
+import torchvision
+
+
+class ModelError(ValueError):
+    pass
+
+
+def _head_name(model: torch.nn.Module) -> str:
+    """Name of the final classification Linear (fc, classifier, classifier.3, heads.head, ...)."""
+    names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if not names:
+        raise ModelError(f"{type(model).__name__}: no Linear classification layer")
+    return names[-1]
+
+
+def _adapt_stem(model: torch.nn.Module, in_channels: int) -> None:
+    """Replace the first conv by one taking ``in_channels`` (weights summed/averaged over channels)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv2d):
+            if module.in_channels == in_channels:
+                return
+            new = torch.nn.Conv2d(in_channels, module.out_channels, module.kernel_size, module.stride,
+                                  module.padding, module.dilation, module.groups, module.bias is not None)
+            with torch.no_grad():
+                w = module.weight.sum(dim=1, keepdim=True) / in_channels
+                new.weight.copy_(w.repeat(1, in_channels, 1, 1))
+                if module.bias is not None:
+                    new.bias.copy_(module.bias)
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], new)
+            return
+    raise ModelError("model has no Conv2d stem")
+
+
+def build_model(arch: str, *, in_channels: int, num_outputs: int, dropout: float = 0.0) -> torch.nn.Module:
+    """A torchvision ``arch`` (random init) with an ``in_channels`` stem and ``num_outputs`` logits."""
+    try:
+        model = torchvision.models.get_model(arch, weights=None)
+    except ValueError as exc:
+        raise ModelError(f"model.arch: unknown torchvision model {arch!r}") from exc
+    _adapt_stem(model, in_channels)
+    name = _head_name(model)
+    lin = model.get_submodule(name)
+    new_head = torch.nn.Sequential(torch.nn.Dropout(dropout), torch.nn.Linear(lin.in_features, num_outputs))
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    setattr(parent, name.rsplit(".", 1)[-1], new_head)
+    return model
+
+
+def head_prefix(model: torch.nn.Module) -> str:
+    """State-dict prefix of the task head (replaced at fine-tuning, never loaded from pretraining)."""
+    name = _head_name(model)
+    return name.rsplit(".", 1)[0] + "." if name.endswith(".1") else name + "."
+
+
+def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Copy backbone weights (everything but the head) from a pretrained state dict.
+
+    The stem is adapted when the pretrained model saw a different number of channels. Returns the
+    names of the tensors loaded; raises if nothing matches (wrong architecture).
+    """
+    prefix = head_prefix(model)
+    own = model.state_dict()
+    loaded = []
+    for key, value in state_dict.items():
+        if key.startswith(prefix) or key not in own:
+            continue
+        if own[key].shape != value.shape:
+            if value.dim() == 4 and own[key].shape[1] != value.shape[1] and own[key].shape[0] == value.shape[0]:
+                value = value.sum(dim=1, keepdim=True).repeat(1, own[key].shape[1], 1, 1) / own[key].shape[1]
+            else:
+                raise ModelError(f"pretrained tensor {key}: shape {tuple(value.shape)} does not fit "
+                                 f"{tuple(own[key].shape)}")
+        own[key] = value
+        loaded.append(key)
+    if not loaded:
+        raise ModelError("no pretrained tensor matches this model (different model.arch?)")
+    model.load_state_dict(own)
+    return loaded

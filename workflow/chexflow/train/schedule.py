@@ -1,0 +1,44 @@
+"""Learning-rate scaling and warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
+
+The LR in the config is for ``reference_batch`` images; with ``world`` ranks of ``batch_size``
+each, the target LR is ``lr * batch_size * world / reference_batch`` (the linear scaling rule).
+Training starts at the single-worker LR ``lr * batch_size / reference_batch`` and ramps linearly to
+the target over ``warmup_epochs`` (gradual warmup), then decays (cosine, step or none).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from chexflow.config import OptimConfig, ScheduleConfig
+
+
+def scaled_lr(optim: OptimConfig, *, batch_size: int, world: int) -> float:
+    return optim.lr * batch_size * world / optim.reference_batch
+
+
+def lr_at(step: int, *, optim: OptimConfig, sched: ScheduleConfig, batch_size: int, world: int,
+          steps_per_epoch: int, epochs: int) -> float:
+    """The LR used for optimizer step ``step`` (0-based)."""
+    target = scaled_lr(optim, batch_size=batch_size, world=world)
+    start = target / world
+    warm = int(round(sched.warmup_epochs * steps_per_epoch))
+    if step < warm:
+        return start + (target - start) * step / warm
+    total = max(epochs * steps_per_epoch, 1)
+    if sched.decay == "cosine":
+        progress = min((step - warm) / max(total - warm, 1), 1.0)
+        return target * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if sched.decay == "step":
+        epoch = step // max(steps_per_epoch, 1)
+        return target * 0.1 ** sum(1 for e in sched.step_epochs if epoch >= e)
+    return target
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, **kw) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR whose factor reproduces :func:`lr_at` (the optimizer's base LR is 1.0)."""
+    for group in optimizer.param_groups:
+        group["lr"] = 1.0
+        group["initial_lr"] = 1.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **kw))
