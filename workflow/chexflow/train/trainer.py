@@ -85,7 +85,8 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cpu":
             cores = len(os.sched_getaffinity(0))
-            torch.set_num_threads(max(1, cores // max(getattr(backend, "local_size", 1), 1)))
+            threads = os.environ.get("OMP_NUM_THREADS") or max(1, cores // max(backend.local_size, 1))
+            torch.set_num_threads(int(threads))       # ranks sharing a node share its cores
             if cfg.deterministic:
                 torch.use_deterministic_algorithms(True, warn_only=True)
         manifest = data.read_manifest(paths.manifest)
@@ -203,7 +204,7 @@ class Trainer:
             while in_epoch < self.steps_per_epoch and step < self.total_steps:
                 torch.manual_seed(_mix(cfg.seed, epoch, in_epoch, backend.rank))
                 gen = torch.Generator(device="cpu").manual_seed(_mix(cfg.seed, epoch, in_epoch, backend.rank, 1))
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
                 for micro in range(self.bpps):
                     images, targets, _ = next(batches)
                     images = images.to(device, non_blocking=True)

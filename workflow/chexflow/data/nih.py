@@ -1,0 +1,344 @@
+"""NIH ChestX-ray14 in its native layout: label table, official split lists, image archives.
+
+Used both for the real release (``images_001.tar.gz`` … ``images_012.tar.gz``,
+``Data_Entry_2017_v2020.csv``, ``train_val_list.txt``, ``test_list.txt``) and for the synthetic
+"mini-NIH" phantom release of :mod:`chexflow.data.phantoms`, which has the same layout.
+
+Nothing here imports torch or torchxrayvision.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import io
+import logging
+import os
+import tarfile
+import zlib
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+LABELS: tuple[str, ...] = (
+    "Atelectasis", "Cardiomegaly", "Effusion", "Infiltration", "Mass", "Nodule", "Pneumonia",
+    "Pneumothorax", "Consolidation", "Edema", "Emphysema", "Fibrosis", "Pleural_Thickening", "Hernia",
+)
+NO_FINDING = "No Finding"
+LABEL_CSV_NAME = "Data_Entry_2017_v2020.csv"
+# columns of Data_Entry_2017_v2020.csv, in the order of the real file
+CSV_COLUMNS: tuple[str, ...] = (
+    "Image Index", "Finding Labels", "Follow-up #", "Patient ID", "Patient Age", "Patient Gender",
+    "View Position", "OriginalImage[Width", "Height]", "OriginalImagePixelSpacing[x", "y]",
+)
+REQUIRED_COLUMNS: tuple[str, ...] = ("Image Index", "Finding Labels", "Patient ID")
+SPLIT_NAMES = ("train", "val", "test")
+
+
+class NIHError(ValueError):
+    """A label file, split list or split assignment is inconsistent; the message names the file."""
+
+
+class ArchiveError(RuntimeError):
+    """An image archive is truncated, corrupt or not a gzip-compressed tar; names the archive."""
+
+
+class DecodeError(ValueError):
+    """An image could not be decoded."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(name, reason)
+        self.name = name
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cannot decode image {self.name!r}: {self.reason}"
+
+
+def display_name(label: str) -> str:
+    """Human-readable label name: ``Pleural_Thickening`` -> ``Pleural Thickening``."""
+    if label not in LABELS:
+        raise KeyError(f"unknown NIH label {label!r}; known: {', '.join(LABELS)}")
+    return label.replace("_", " ")
+
+
+# --------------------------------------------------------------------------- label table
+
+def labels_from_findings(findings: pd.Series, *, source: str = "<findings>") -> pd.DataFrame:
+    """Turn 'Finding Labels' strings ('A|B', 'No Finding') into float32 0/1 columns in LABELS order."""
+    if findings.isna().any():
+        bad = list(findings.index[findings.isna()][:5])
+        raise NIHError(f"{source}: empty 'Finding Labels' for {int(findings.isna().sum())} rows, e.g. {bad}")
+    dummies = findings.astype(str).str.get_dummies(sep="|")
+    dummies.columns = [c.strip() for c in dummies.columns]
+    unknown = sorted(set(dummies.columns) - set(LABELS) - {NO_FINDING})
+    if unknown:
+        raise NIHError(f"{source}: unknown finding label(s) {unknown}; known: {list(LABELS)} and {NO_FINDING!r}")
+    out = pd.DataFrame(0.0, index=findings.index, columns=list(LABELS), dtype=np.float32)
+    for label in LABELS:
+        if label in dummies.columns:
+            out[label] = dummies[label].to_numpy(dtype=np.float32)
+    return out
+
+
+def read_label_table(csv_path: Path | str) -> pd.DataFrame:
+    """The raw label CSV as strings (``.csv`` or ``.csv.gz``), with the required columns checked."""
+    csv_path = Path(csv_path)
+    if not csv_path.is_file():
+        raise FileNotFoundError(f"{csv_path}: NIH label file not found")
+    try:
+        raw = pd.read_csv(csv_path, dtype=str, keep_default_na=False, na_values=[""])
+    except (OSError, EOFError, zlib.error, pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
+        raise NIHError(f"{csv_path}: cannot read the label CSV ({exc})") from exc
+    raw.columns = [c.strip() for c in raw.columns]
+    missing = [c for c in REQUIRED_COLUMNS if c not in raw.columns]
+    if missing:
+        raise NIHError(f"{csv_path}: missing column(s) {missing}; found {list(raw.columns)}")
+    if raw["Image Index"].isna().any() or raw["Patient ID"].isna().any():
+        raise NIHError(f"{csv_path}: empty 'Image Index' or 'Patient ID' values")
+    dup = raw["Image Index"][raw["Image Index"].duplicated()]
+    if len(dup):
+        raise NIHError(f"{csv_path}: {len(dup)} duplicate 'Image Index' values, e.g. {list(dup[:5])}")
+    return raw
+
+
+def read_labels(csv_path: Path | str) -> pd.DataFrame:
+    """Read ``Data_Entry_2017*.csv[.gz]``: a DataFrame indexed by image name (index name ``image``)
+    with column ``patient`` (str) and the 14 LABELS columns as float32 0/1 ("No Finding": all 0)."""
+    raw = read_label_table(csv_path)
+    labels = labels_from_findings(raw["Finding Labels"], source=str(csv_path))
+    out = pd.DataFrame({"patient": raw["Patient ID"].astype(str).to_numpy()}, index=raw["Image Index"].to_numpy())
+    out = pd.concat([out, labels.set_axis(out.index)], axis=1)
+    out.index.name = "image"
+    return out
+
+
+def read_split_list(path: Path | str) -> list[str]:
+    """Image names of an official split list (one per line; blank lines ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: split list not found")
+    names = [line.strip() for line in path.read_text().splitlines()]
+    names = [n for n in names if n]
+    if len(set(names)) != len(names):
+        dup = pd.Series(names)
+        raise NIHError(f"{path}: duplicate image names, e.g. {list(dup[dup.duplicated()][:5])}")
+    return names
+
+
+def assign_splits(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence[str], *,
+                  val_fraction: float, seed: int, strict: bool = True) -> pd.Series:
+    """Image -> "train" / "val" / "test".
+
+    Test is the official test list. Validation is carved out of the train_val list by patient:
+    the sorted distinct patients of train_val are permuted with ``numpy.random.default_rng(seed)``
+    and the first ``round(val_fraction * n_patients)`` of them (at least one when
+    ``0 < val_fraction`` and there are two or more patients) go to "val".
+
+    Errors (``NIHError``): a listed image without a label row, an image in both lists, a patient
+    in both lists, and (``strict=True``) label rows in neither list. With ``strict=False`` those
+    unlisted images are logged and left out of the result.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if "patient" not in labels.columns:
+        raise NIHError("assign_splits: the label table has no 'patient' column (use read_labels)")
+    tv = pd.Index(list(train_val))
+    te = pd.Index(list(test))
+    for name, idx in (("train_val list", tv), ("test list", te)):
+        unknown = idx.difference(labels.index)
+        if len(unknown):
+            raise NIHError(f"{name}: {len(unknown)} image(s) have no label row, e.g. {list(unknown[:5])}")
+    both = tv.intersection(te)
+    if len(both):
+        raise NIHError(f"{len(both)} image(s) are in both train_val and test lists, e.g. {list(both[:5])}")
+    p_tv = labels.loc[tv, "patient"]
+    p_te = labels.loc[te, "patient"]
+    shared = sorted(set(p_tv) & set(p_te))
+    if shared:
+        raise NIHError(f"{len(shared)} patient(s) have images in both train_val and test lists, e.g. {shared[:5]}")
+    unlisted = labels.index.difference(tv.append(te))
+    if len(unlisted):
+        msg = f"{len(unlisted)} labelled image(s) are in neither split list, e.g. {list(unlisted[:5])}"
+        if strict:
+            raise NIHError(msg)
+        log.warning("%s; they are left out", msg)
+
+    patients = np.array(sorted(set(p_tv)), dtype=object)
+    n_val = int(round(val_fraction * len(patients)))
+    if val_fraction > 0 and n_val == 0 and len(patients) >= 2:
+        n_val = 1
+    rng = np.random.default_rng(seed)
+    val_patients = set(patients[rng.permutation(len(patients))[:n_val]])
+    tv_split = np.where(p_tv.isin(val_patients).to_numpy(), "val", "train")
+    split = pd.concat([pd.Series(tv_split, index=tv), pd.Series("test", index=te)])
+    split = split.loc[labels.index.intersection(split.index, sort=False)]  # label-file order
+    split.index.name = "image"
+    split.name = "split"
+    return split
+
+
+# --------------------------------------------------------------------------- archives
+
+_FILTER_ROOT = os.path.join(os.sep, "nonexistent-chexflow-extract-root")
+
+
+def _log_skip(member: str, reason: str) -> None:
+    log.warning("skipping archive member %r: %s", member, reason)
+
+
+def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None = None
+                 ) -> Iterator[tuple[str, bytes]]:
+    """Stream ``(basename, bytes)`` for every ``.png`` member of a ``.tar.gz``, in archive order.
+
+    Reads without extracting, in tarfile's streaming mode (``r|`` over a ``gzip`` stream), so an
+    archive is read once, sequentially. Every member first passes ``tarfile.data_filter`` (the
+    'data' extraction filter: ``..``, links pointing outside, device files are rejected); in
+    addition absolute member names (which the filter would merely strip) are rejected and only
+    regular files are accepted (no symlinks or hard links at all).
+    Rejected members are reported through ``on_skip(member_name, reason)`` (default: a logged
+    warning) and skipped; directories and non-PNG files are skipped silently.
+
+    A truncated or corrupt archive raises ``ArchiveError`` naming it: the gzip stream is read to
+    its end, so a missing gzip trailer or a CRC mismatch is detected even when the tar part ends
+    on a member boundary.
+    """
+    path = Path(path)
+    report = on_skip or _log_skip
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: archive not found")
+    try:
+        with gzip.open(path, "rb") as gz:
+            with tarfile.open(fileobj=gz, mode="r|") as tar:
+                for member in tar:
+                    if member.name.startswith(("/", "\\")) or os.path.isabs(member.name):
+                        report(member.name, "absolute member path")
+                        continue
+                    try:
+                        member = tarfile.data_filter(member, _FILTER_ROOT)
+                    except tarfile.FilterError as exc:
+                        report(member.name, f"rejected by the tar 'data' filter: {exc}")
+                        continue
+                    if member.isdir():
+                        continue
+                    if not member.isfile():
+                        report(member.name, "not a regular file (links and special files are not read)")
+                        continue
+                    if not member.name.lower().endswith(".png"):
+                        continue
+                    fh = tar.extractfile(member)
+                    if fh is None:  # pragma: no cover - isfile() members always have data
+                        report(member.name, "no data")
+                        continue
+                    data = fh.read()
+                    yield posix_basename(member.name), data
+            while gz.read(1 << 20):  # drain: verifies the gzip trailer (length and CRC)
+                pass
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
+    except OSError as exc:
+        raise ArchiveError(f"{path}: cannot read archive ({exc})") from exc
+
+
+def posix_basename(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1]
+
+
+# --------------------------------------------------------------------------- images
+
+def decode_grey(data: bytes, *, name: str) -> np.ndarray:
+    """Decode an image file to uint8 HxW greyscale.
+
+    - 8-bit L: as is; P/1/CMYK/…: converted by PIL to L.
+    - RGB/RGBA/LA/PA: alpha is dropped (not composited), colour converted to L (ITU-R 601 luma).
+      Some NIH PNGs are RGBA with an opaque alpha channel.
+    - 16-bit / 32-bit integer or float ('I;16*', 'I', 'F'): min-max scaled by the image's actual
+      range to 0..255 (a constant image becomes 0). Chosen over ``>> 8`` because 12-bit data
+      stored in 16-bit would otherwise use only 16 grey levels.
+
+    Raises ``DecodeError(name, reason)`` on unreadable or truncated data.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            mode = img.mode
+            if mode == "L":
+                arr = np.asarray(img, dtype=np.uint8)
+            elif mode.startswith("I") or mode.startswith("F"):
+                arr = _minmax_to_uint8(np.asarray(img))
+            else:
+                if mode in ("LA", "La"):
+                    img = img.getchannel("L")
+                elif mode in ("RGBA", "RGBa", "RGBX", "PA") or "A" in img.getbands():
+                    img = img.convert("RGB")
+                arr = np.asarray(img.convert("L"), dtype=np.uint8)
+    except DecodeError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
+            Image.DecompressionBombError) as exc:
+        raise DecodeError(name, f"{type(exc).__name__}: {exc}") from exc
+    if arr.ndim != 2 or arr.size == 0:
+        raise DecodeError(name, f"unexpected decoded shape {arr.shape} (mode {mode})")
+    return np.ascontiguousarray(arr)
+
+
+def _minmax_to_uint8(a: np.ndarray) -> np.ndarray:
+    a = a.astype(np.float64)
+    if a.ndim == 3:
+        a = a[..., 0]
+    finite = np.isfinite(a)
+    if not finite.all():
+        a = np.where(finite, a, np.nan)
+    lo, hi = np.nanmin(a), np.nanmax(a)
+    if not np.isfinite(lo) or hi <= lo:
+        return np.zeros(a.shape, dtype=np.uint8)
+    out = (np.nan_to_num(a, nan=lo) - lo) * (255.0 / (hi - lo))
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def resize_square(img: np.ndarray, size: int) -> np.ndarray:
+    """Centre-crop a uint8 HxW image to a square, then resize to ``size x size``.
+
+    PIL bilinear resampling, which low-pass filters (antialiases) when shrinking, like
+    torchvision's ``Resize(antialias=True)``.
+    """
+    from PIL import Image
+
+    if img.ndim != 2:
+        raise ValueError(f"resize_square expects a 2-D greyscale image, got shape {img.shape}")
+    if size < 1:
+        raise ValueError(f"size must be positive, got {size}")
+    h, w = img.shape
+    if h != w:
+        s = min(h, w)
+        top, left = (h - s) // 2, (w - s) // 2
+        img = img[top:top + s, left:left + s]
+    img = np.ascontiguousarray(img, dtype=np.uint8)
+    if img.shape[0] == size:
+        return img.copy()
+    out = Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR)
+    return np.asarray(out, dtype=np.uint8).copy()
+
+
+# --------------------------------------------------------------------------- label CSV shipped with torchxrayvision
+
+def find_label_csv() -> Path:
+    """``Data_Entry_2017_v2020.csv.gz`` inside the installed torchxrayvision package (not imported)."""
+    spec = importlib.util.find_spec("torchxrayvision")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "torchxrayvision is not installed, so its copy of the NIH label file "
+            f"{LABEL_CSV_NAME}.gz cannot be found; install envs/requirements.txt "
+            "(torchxrayvision==1.5.7) or pass the label CSV explicitly")
+    for loc in spec.submodule_search_locations:
+        candidate = Path(loc) / "data" / f"{LABEL_CSV_NAME}.gz"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"torchxrayvision is installed at {list(spec.submodule_search_locations)} but has no "
+        f"data/{LABEL_CSV_NAME}.gz")

@@ -1,0 +1,294 @@
+"""Pack decoded, resized images + labels into WebDataset tar shards, with manifests.
+
+One job per source archive ("part") writes ``data/shards/<dataset>/parts/<part>/<split>-NNNNN.tar``
+and ``parts/<part>/manifest.json``; a gather step writes ``data/shards/<dataset>/manifest.json``
+with the per-split totals and shard lists. Few large files instead of many small PNGs (the PRACE
+guide's advice for parallel file systems), and images stored as raw uint8 so training does not
+decode PNGs again.
+
+A part that crashes half-way resumes: every finished shard is recorded in ``progress.json``; a
+rerun skips decoding the samples already in finished shards and writes only the missing ones.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+import webdataset as wds
+
+from chexflow.config import ShardConfig
+from chexflow.data import fashion_mnist, nih
+from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
+
+SPLITS = ("train", "val", "test")
+
+
+class ShardError(RuntimeError):
+    """A shard stage failed; the message names the dataset/part/file and the cause."""
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    title: str
+    task: str                 # "multilabel" | "multiclass"
+    labels: tuple[str, ...]
+    synthetic: bool
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    if name == "fashion_mnist":
+        return DatasetInfo(name, "Fashion-MNIST", "multiclass", tuple(fashion_mnist.CLASSES), False)
+    if name == "nih":
+        return DatasetInfo(name, "NIH ChestX-ray14", "multilabel", tuple(nih.LABELS), False)
+    if name == "nih_demo":
+        return DatasetInfo(name, "mini-NIH synthetic phantoms (embedded demo)", "multilabel",
+                           tuple(nih.LABELS), True)
+    raise ShardError(f"dataset {name!r}: no shard reader (known: fashion_mnist, nih, nih_demo)")
+
+
+# --------------------------------------------------------------------------- splits
+
+def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path) -> pd.DataFrame:
+    """Write ``splits.csv`` (image, patient, split): patient-wise, seeded, never by image."""
+    raw_dir = Path(raw_dir)
+    if name == "fashion_mnist":
+        frames = []
+        for part, split in (("train", None), ("t10k", "test")):
+            images, _ = fashion_mnist.read_part(raw_dir, part)
+            names = fashion_mnist.image_names(part, len(images))
+            frames.append(pd.DataFrame({"image": names, "patient": names, "split": split or "train"}))
+        df = pd.concat(frames, ignore_index=True)
+        train = df.index[df["split"] == "train"].to_numpy()
+        rng = np.random.default_rng(cfg.split_seed)
+        n_val = int(round(cfg.val_fraction * len(train)))
+        df.loc[rng.choice(train, size=n_val, replace=False), "split"] = "val"
+    else:
+        labels = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
+        train_val = nih.read_split_list(raw_dir / "train_val_list.txt")
+        test = nih.read_split_list(raw_dir / "test_list.txt")
+        split = nih.assign_splits(labels, train_val, test, val_fraction=cfg.val_fraction,
+                                  seed=cfg.split_seed)
+        df = pd.DataFrame({"image": split.index, "patient": labels.loc[split.index, "patient"].values,
+                           "split": split.values})
+    shared = df.groupby("patient")["split"].nunique()
+    if (shared > 1).any():
+        raise ShardError(f"{name}: patients in more than one split: {list(shared[shared > 1].index[:5])}")
+    with atomic_path(out_csv) as tmp:
+        df.to_csv(tmp, index=False)
+    return df
+
+
+def parts_of(name: str, n_archives: int | None = None) -> list[str]:
+    """The shard jobs of a dataset: one per source archive."""
+    if name == "fashion_mnist":
+        return list(fashion_mnist.PARTS)
+    if name == "nih":
+        return [f"images_{i:03d}" for i in range(1, 13)]
+    if name == "nih_demo":
+        return [f"images_{i:03d}" for i in range(1, (n_archives or 1) + 1)]
+    raise ShardError(f"dataset {name!r}: no shard reader")
+
+
+# --------------------------------------------------------------------------- samples of a part
+
+@dataclass
+class Sample:
+    key: str
+    patient: str
+    split: str
+    target: np.ndarray            # float32[L] (NaN unknown) or int64 scalar
+    image: np.ndarray | None      # uint8 HxW, None when the sample is skipped (already sharded)
+
+
+def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
+               skip: dict[str, str | None], rejects: list[dict]) -> Iterator[Sample]:
+    """Yield the samples of one part in a deterministic order; decode lazily (skipped: image=None)."""
+    split_of = dict(zip(splits["image"], splits["split"]))
+    patient_of = dict(zip(splits["image"], splits["patient"]))
+    skipping = {s: k is not None for s, k in skip.items()}
+
+    def wanted(split: str, key: str) -> bool:
+        # samples up to and including the last key of a finished shard are not decoded again
+        if skipping.get(split):
+            if key == skip[split]:
+                skipping[split] = False
+            return False
+        return True
+
+    if name == "fashion_mnist":
+        images, labels = fashion_mnist.read_part(raw_dir, part)
+        for key, img, lbl in zip(fashion_mnist.image_names(part, len(images)), images, labels):
+            split = split_of[key]
+            keep = wanted(split, key)
+            yield Sample(key, str(patient_of[key]), split, np.int64(lbl),
+                         nih.resize_square(img, cfg.image_size) if keep else None)
+        return
+
+    table = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
+    label_cols = list(nih.LABELS)
+    targets = dict(zip(table.index, table[label_cols].to_numpy(dtype=np.float32)))
+    def skipped(member: str, reason: str) -> None:
+        rejects.append({"image": member, "part": part, "reason": reason})
+
+    for fname, data in nih.iter_archive(raw_dir / f"{part}.tar.gz", on_skip=skipped):
+        if fname not in split_of:
+            rejects.append({"image": fname, "part": part, "reason": "not in the label file or split lists"})
+            continue
+        split = split_of[fname]
+        target = targets[fname]
+        if not wanted(split, fname):
+            yield Sample(fname, str(patient_of[fname]), split, target, None)
+            continue
+        try:
+            img = nih.resize_square(nih.decode_grey(data, name=fname), cfg.image_size)
+        except nih.DecodeError as exc:
+            rejects.append({"image": fname, "part": part, "reason": str(exc)})
+            continue
+        yield Sample(fname, str(patient_of[fname]), split, target, img)
+
+
+def _encode(sample: Sample, encoding: str) -> dict:
+    out = {"__key__": Path(sample.key).stem}
+    if encoding == "raw":
+        buf = io.BytesIO()
+        np.save(buf, sample.image, allow_pickle=False)
+        out["img.npy"] = buf.getvalue()
+    else:
+        from PIL import Image
+        buf = io.BytesIO()
+        Image.fromarray(sample.image).save(buf, format="PNG")
+        out["img.png"] = buf.getvalue()
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(sample.target), allow_pickle=False)
+    out["target.npy"] = buf.getvalue()
+    out["meta.json"] = json.dumps({"image": sample.key, "patient": sample.patient}).encode()
+    return out
+
+
+def _label_counts(targets: list[np.ndarray], info: DatasetInfo) -> dict[str, int]:
+    if not targets:
+        return {label: 0 for label in info.labels}
+    arr = np.stack(targets)
+    if info.task == "multiclass":
+        c = Counter(int(t) for t in arr)
+        return {label: c.get(i, 0) for i, label in enumerate(info.labels)}
+    return {label: int(np.nansum(arr[:, i] == 1)) for i, label in enumerate(info.labels)}
+
+
+def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: Path,
+               cfg: ShardConfig) -> dict:
+    """Write the shards of one source archive and its manifest; returns the manifest."""
+    info = dataset_info(name)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    splits = pd.read_csv(splits_csv, dtype=str)
+    progress_path = out_dir / "progress.json"
+    progress = json.loads(progress_path.read_text()) if progress_path.exists() else {"shards": [], "rejects": []}
+    done = [s for s in progress["shards"] if (out_dir / s["file"]).exists()]
+    skip = {s: None for s in SPLITS}
+    for s in done:
+        skip[s["split"]] = s["last_key"]
+    rejects: list[dict] = list(progress["rejects"]) if done else []
+    n_done = Counter(s["split"] for s in done)
+    if done:
+        print(f"{name}/{part}: resuming, {len(done)} shard(s) already written, skipping their samples")
+
+    buffers: dict[str, list[Sample]] = defaultdict(list)
+    shard_records = list(done)
+    n_seen = 0
+
+    def flush(split: str) -> None:
+        batch = buffers.pop(split, [])
+        if not batch:
+            return
+        fname = f"{split}-{n_done[split]:05d}.tar"
+        n_done[split] += 1
+        with atomic_path(out_dir / fname) as tmp:
+            with wds.TarWriter(str(tmp), encoder=False, mtime=0.0) as sink:   # reproducible bytes
+                for smp in batch:
+                    sink.write(_encode(smp, cfg.encoding))
+        rec = {"file": fname, "split": split, "count": len(batch), "sha256": sha256_file(out_dir / fname),
+               "last_key": batch[-1].key,
+               "label_counts": _label_counts([b.target for b in batch], info),
+               "patients": sorted({b.patient for b in batch})}
+        shard_records.append(rec)
+        write_text_atomic(progress_path, json.dumps({"shards": shard_records, "rejects": rejects}))
+
+    for smp in _iter_part(name, Path(raw_dir), part, splits, cfg, skip, rejects):
+        n_seen += 1
+        if smp.image is None:
+            continue
+        buffers[smp.split].append(smp)
+        if len(buffers[smp.split]) >= cfg.samples_per_shard:
+            flush(smp.split)
+    for split in list(buffers):
+        flush(split)
+
+    n_total = sum(r["count"] for r in shard_records) + len(rejects)
+    reject_fraction = len(rejects) / max(n_total, 1)
+    if reject_fraction > cfg.max_reject_fraction:
+        raise ShardError(
+            f"{name}/{part}: {len(rejects)} of {n_total} images rejected ({reject_fraction:.2%} > "
+            f"max_reject_fraction {cfg.max_reject_fraction:.2%}); first: {rejects[:3]}")
+    manifest = {
+        "dataset": name, "part": part, "image_size": cfg.image_size, "encoding": cfg.encoding,
+        "task": info.task, "labels": list(info.labels),
+        "shards": [{k: r[k] for k in ("file", "split", "count", "sha256", "label_counts", "patients")}
+                   for r in sorted(shard_records, key=lambda r: r["file"])],
+        "rejects": rejects,
+    }
+    write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1))
+    progress_path.unlink(missing_ok=True)
+    return manifest
+
+
+# --------------------------------------------------------------------------- gather
+
+def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConfig) -> dict:
+    """Combine part manifests into the dataset manifest (per split: counts, patients, shards)."""
+    info = dataset_info(name)
+    out_path = Path(out_path)
+    root = out_path.parent
+    splits: dict[str, dict] = {}
+    n_rejects = 0
+    n_images = 0
+    patients: dict[str, set] = defaultdict(set)
+    for mpath in part_manifests:
+        mpath = Path(mpath)
+        try:
+            m = json.loads(mpath.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ShardError(f"{mpath}: unreadable part manifest ({exc})") from exc
+        n_rejects += len(m["rejects"])
+        for sh in m["shards"]:
+            rel = os.path.relpath(mpath.parent / sh["file"], root)
+            if not (root / rel).exists():
+                raise ShardError(f"{mpath}: lists shard {sh['file']} which does not exist")
+            s = splits.setdefault(sh["split"], {"n_images": 0, "label_counts": Counter(), "shards": []})
+            s["n_images"] += sh["count"]
+            n_images += sh["count"]
+            s["label_counts"].update(sh["label_counts"])
+            s["shards"].append({"path": rel, "count": sh["count"], "sha256": sh["sha256"]})
+            patients[sh["split"]].update(sh["patients"])
+    overlap = {(a, b): len(patients[a] & patients[b]) for a in patients for b in patients if a < b}
+    if any(overlap.values()):
+        raise ShardError(f"{name}: patients shared between splits {overlap}")
+    if n_rejects / max(n_images + n_rejects, 1) > cfg.max_reject_fraction:
+        raise ShardError(f"{name}: {n_rejects} rejects exceed max_reject_fraction {cfg.max_reject_fraction}")
+    for split, s in splits.items():
+        s["n_patients"] = len(patients[split])
+        s["n_shards"] = len(s["shards"])
+        s["label_counts"] = {label: int(s["label_counts"].get(label, 0)) for label in info.labels}
+    manifest = {"dataset": name, "title": info.title, "synthetic": info.synthetic, "task": info.task,
+                "labels": list(info.labels), "image_size": cfg.image_size, "encoding": cfg.encoding,
+                "splits": {k: splits[k] for k in SPLITS if k in splits}, "n_rejects": n_rejects}
+    write_text_atomic(out_path, json.dumps(manifest, indent=1))
+    return manifest
