@@ -47,7 +47,11 @@ class HorovodBackend(Backend):
             self.hvd.broadcast_parameters(buffers, root_rank=0)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        # Not hvd.broadcast_optimizer_state: on ranks with an empty state it first takes an
+        # optimizer step with zero gradients (weight decay, momentum) to create the state, which
+        # breaks bit-identical resume. The whole state dict of rank 0 is small next to a model.
+        state = self.hvd.broadcast_object(optimizer.state_dict() if self.rank == 0 else None, root_rank=0)
+        optimizer.load_state_dict(state)
 
     def broadcast_object(self, obj: Any) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=0)
