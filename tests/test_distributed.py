@@ -121,8 +121,8 @@ def _ckpt_steps(work: Path) -> list[int]:
 
 
 HOROVOD_RESUME_XFAIL = pytest.mark.xfail(
-    strict=False, reason="Horovod resume was not bit-identical with hvd.broadcast_optimizer_state "
-    "(zero-grad step on non-root ranks); replaced by broadcasting the state dict, not yet re-verified")
+    strict=False, reason="Horovod resume was not bit-identical: hvd.DistributedOptimizer rebuilds the "
+    "optimizer from its param groups and drops the resumed state; now carried over, not yet re-verified")
 BACKENDS_RESUME = [pytest.param("horovod", marks=[BACKENDS[0].marks[0], HOROVOD_RESUME_XFAIL]), "ddp"]
 
 

@@ -70,10 +70,14 @@ class HorovodBackend(Backend):
 
     def wrap(self, model, optimizer, *, fp16_compression: bool, backward_passes_per_step: int):
         compression = self.hvd.Compression.fp16 if fp16_compression else self.hvd.Compression.none
-        optimizer = self.hvd.DistributedOptimizer(
+        state = optimizer.state_dict()
+        wrapped = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression,
             backward_passes_per_step=backward_passes_per_step, op=self.hvd.Average)
-        return model, optimizer
+        # DistributedOptimizer builds a new optimizer from the param groups: carry the (resumed)
+        # state over, or momentum restarts from zero after a resume
+        wrapped.load_state_dict(state)
+        return model, wrapped
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
