@@ -11,6 +11,7 @@ resumed from its checkpoint reproduces the uninterrupted run (bit-identical on C
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -213,7 +214,7 @@ class Trainer:
                                          generator=gen)
                     if device.type == "cuda" and cfg.channels_last:
                         x = x.contiguous(memory_format=torch.channels_last)
-                    sync = backend.no_sync(model) if micro < self.bpps - 1 else _null()
+                    sync = backend.no_sync(model) if micro < self.bpps - 1 else contextlib.nullcontext()
                     with sync, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                         logits = model(x)
                         loss = task_loss(self.task, logits, targets) / self.bpps
@@ -272,9 +273,6 @@ class Trainer:
         return 0
 
     # ------------------------------------------------------------------ pieces
-    def _null(self):
-        return _null()
-
     def _tensorboard(self):
         if not self.backend.is_root or self.paths.tensorboard is None:
             return None
@@ -357,10 +355,3 @@ class Trainer:
                            f"val {final['val_metric_name']} {final['val_metric']:.4f})")
         self.backend.barrier()
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
