@@ -120,10 +120,7 @@ def _ckpt_steps(work: Path) -> list[int]:
     return sorted(int(p.name[5:14]) for p in d.glob("step-*.pt")) if d.exists() else []
 
 
-HOROVOD_RESUME_XFAIL = pytest.mark.xfail(
-    strict=False, reason="Horovod resume was not bit-identical: hvd.DistributedOptimizer rebuilds the "
-    "optimizer from its param groups and drops the resumed state; now carried over, not yet re-verified")
-BACKENDS_RESUME = [pytest.param("horovod", marks=[BACKENDS[0].marks[0], HOROVOD_RESUME_XFAIL]), "ddp"]
+BACKENDS_RESUME = BACKENDS
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])

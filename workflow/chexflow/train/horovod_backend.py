@@ -50,11 +50,14 @@ class HorovodBackend(Backend):
         # Not hvd.broadcast_optimizer_state: on ranks with an empty state it first takes an
         # optimizer step with zero gradients (weight decay, momentum) to create the state, which
         # breaks bit-identical resume. The whole state dict of rank 0 is small next to a model.
-        state = self.hvd.broadcast_object(optimizer.state_dict() if self.rank == 0 else None, root_rank=0)
+        # an explicit name: Horovod's default is the object's type name, which differs between
+        # rank 0 (dict) and the others (None), and mismatched names deadlock the collective
+        state = self.hvd.broadcast_object(optimizer.state_dict() if self.rank == 0 else None, root_rank=0,
+                                          name="chexflow.optimizer_state")
         optimizer.load_state_dict(state)
 
     def broadcast_object(self, obj: Any) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=0)
+        return self.hvd.broadcast_object(obj, root_rank=0, name="chexflow.object")
 
     def allreduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         return self.hvd.allreduce(value, op=self.hvd.Average)
@@ -70,13 +73,15 @@ class HorovodBackend(Backend):
 
     def wrap(self, model, optimizer, *, fp16_compression: bool, backward_passes_per_step: int):
         compression = self.hvd.Compression.fp16 if fp16_compression else self.hvd.Compression.none
-        state = optimizer.state_dict()
         wrapped = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression,
             backward_passes_per_step=backward_passes_per_step, op=self.hvd.Average)
-        # DistributedOptimizer builds a new optimizer from the param groups: carry the (resumed)
-        # state over, or momentum restarts from zero after a resume
-        wrapped.load_state_dict(state)
+        # DistributedOptimizer builds a new optimizer over the *same* param-group dicts (so the LR
+        # scheduler bound to `optimizer` still drives it) but with an empty state: carry the
+        # (resumed) per-parameter state over, or momentum restarts from zero after a resume.
+        # Not load_state_dict: that would replace the group dicts and detach the scheduler.
+        assert all(a is b for a, b in zip(wrapped.param_groups, optimizer.param_groups))
+        wrapped.state.update(optimizer.state)
         return model, wrapped
 
     def shutdown(self) -> None:
