@@ -34,8 +34,6 @@ def snakemake_slurm(cluster, workdir: Path, cfgfile: Path, *args: str, timeout: 
     return proc
 
 
-@pytest.mark.xfail(strict=False, reason="first run: the demo completed on SLURM (9 min) but the sacct "
-                   "rule-name check missed wildcard job comments; fixed, the rerun part not yet verified")
 def test_demo_on_slurm_then_rerun_only_what_failed(slurm_cluster, tmp_path):  # noqa: F811
     cfg = tiny_config("horovod")
     cfg["finetune"]["epochs"] = 2
