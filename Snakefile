@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 configfile: "config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 validate(config, "workflow/chexflow/schemas/config.schema.yaml")
 
 
@@ -23,8 +26,12 @@ include: "rules/pretrain.smk"
 include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
+include: "rules/scaling.smk"
+include: "rules/sweep.smk"
+include: "rules/ablation.smk"
 
 
 rule all:
     input:
         "results/report/chexflow_report.html",
+        study_targets(),  # scaling / sweep / ablation outputs, when enabled in config.yaml

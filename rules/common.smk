@@ -5,7 +5,7 @@ import os
 import sys
 
 from chexflow.data import sources as _sources
-from chexflow.data import shards as _shards
+from chexflow.data import parts as _parts   # cheap: no numpy/torch at DAG time
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
 shell.prefix(f"set -euo pipefail; export PATH=\"$PATH:{os.path.dirname(sys.executable)}\"; ")
@@ -16,7 +16,7 @@ DEMO_DIR = "data/demo/nih_demo"
 
 
 wildcard_constraints:
-    dataset="fashion_mnist|nih_demo|nih",
+    dataset="fashion_mnist|nih_demo|nih|imagenet",
     part="[A-Za-z0-9_]+",
     file="[^/]+",
 
@@ -57,6 +57,8 @@ def shard_config_json(wildcards):
 def split_inputs(wildcards):
     if wildcards.dataset == "fashion_mnist":
         return raw_files("fashion_mnist")
+    if wildcards.dataset == "imagenet":
+        return ["data/raw/imagenet/ILSVRC2012_devkit_t12.tar.gz"]   # val ground truth
     base = f"data/raw/{wildcards.dataset}"
     return [f"{base}/Data_Entry_2017_v2020.csv", f"{base}/train_val_list.txt", f"{base}/test_list.txt"]
 
@@ -64,13 +66,16 @@ def split_inputs(wildcards):
 def part_inputs(wildcards):
     base = f"data/raw/{wildcards.dataset}"
     if wildcards.dataset == "fashion_mnist":
-        from chexflow.data.fashion_mnist import PARTS
-        return [f"{base}/{name}" for name in PARTS[wildcards.part]]
+        return [f"{base}/{name}" for name in _parts.FASHION_MNIST_PARTS[wildcards.part]]
+    if wildcards.dataset == "imagenet":   # parts train_NNN (class ranges of the train tar) and val
+        archive = "ILSVRC2012_img_val.tar" if wildcards.part == "val" else "ILSVRC2012_img_train.tar"
+        return [f"{base}/{archive}", f"{base}/ILSVRC2012_devkit_t12.tar.gz"]
     return [f"{base}/{wildcards.part}.tar.gz", f"{base}/Data_Entry_2017_v2020.csv"]
 
 
 def part_manifests(wildcards):
-    parts = _shards.parts_of(wildcards.dataset, n_demo_archives())
+    parts = _parts.parts_of(wildcards.dataset, n_demo_archives(),
+                             train_parts=config["shards"].get("imagenet", {}).get("train_parts"))
     return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
 
 
@@ -85,3 +90,89 @@ def train_config_json(stage):
 
 def stage_json(section):
     return json.dumps(config[section])
+
+
+# ------------------------------------------------------------------ optional studies (config)
+def study_enabled(section):
+    return bool(config.get(section, {}).get("enabled", False))
+
+
+def study_json(section):
+    """A study's section as JSON ({} when config.yaml has none: the dataclass defaults)."""
+    return json.dumps(config.get(section, {}))
+
+
+def scaling_world_sizes():
+    return [int(w) for w in config.get("scaling", {}).get("world_sizes", [1, 2])]
+
+
+def scaling_points():
+    return [f"results/scaling/world{w}/throughput.json" for w in scaling_world_sizes()]
+
+
+def scaling_tasks(wildcards):
+    """Ranks of a scaling job = its world size (SLURM: see scale_pretrain in profiles/slurm)."""
+    return int(wildcards.world)
+
+
+def study_targets():
+    """What `rule all` adds for the studies switched on in config.yaml."""
+    targets = []
+    if study_enabled("scaling"):
+        targets.append("results/scaling/scaling.csv")
+    if study_enabled("sweep"):
+        targets.append("results/sweep/evaluate/metrics.json")
+    if study_enabled("ablation"):
+        targets.append("results/ablation/evaluate/metrics.json")
+    return targets
+
+
+def _sweep_trials():
+    from chexflow.config import SweepConfig, from_dict
+    from chexflow.studies import sweep as _sweep
+    return _sweep.expand_trials(from_dict(SweepConfig, config.get("sweep", {})))
+
+
+def sweep_results():
+    return [f"results/sweep/trials/{t['id']}/result.json" for t in _sweep_trials()]
+
+
+def sweep_trial_json(wildcards):
+    """The trial's overrides of the finetune section (a changed trial reruns alone)."""
+    return json.dumps(next(t["params"] for t in _sweep_trials() if t["id"] == wildcards.trial))
+
+
+ABLATION_INIT = "random" if config["finetune"].get("init", "random") == "pretrained" else "pretrained"
+
+
+def init_inputs(init):
+    """The pretraining model, for a fine-tuning run that starts from it."""
+    return ["results/pretrain/model.pt"] if init == "pretrained" else []
+
+
+def init_arg(init):
+    return "--pretrained results/pretrain/model.pt" if init == "pretrained" else ""
+
+
+def ablation_train_json():
+    return json.dumps({**config["finetune"], "init": ABLATION_INIT, "stage": "finetune",
+                       "dataset": FINETUNE_DATASET})
+
+
+STUDY_REPORT_INPUTS = {
+    "scaling": {"scaling_csv": "results/scaling/scaling.csv", "scaling_plot": "results/scaling/scaling.png"},
+    "sweep": {"sweep_table": "results/sweep/trials.csv", "sweep_selection": "results/sweep/selection.json",
+              "sweep_metrics": "results/sweep/evaluate/metrics.json"},
+    "ablation": {"ablation_metrics": "results/ablation/evaluate/metrics.json"},
+}
+
+
+def report_study_inputs(wildcards):
+    """Named inputs of the report's study sections, only for the studies switched on."""
+    return {k: v for study, files in STUDY_REPORT_INPUTS.items() if study_enabled(study) for k, v in files.items()}
+
+
+def report_study_args():
+    """The matching `chexflow report` options (--scaling-csv PATH ...)."""
+    inputs = report_study_inputs(None)
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in inputs.items())

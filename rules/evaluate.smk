@@ -8,7 +8,7 @@ rule evaluate_model:
     output:
         metrics="results/evaluate/metrics.json",
         predictions="results/evaluate/predictions.csv",
-        auroc="results/evaluate/auroc.csv",
+        auroc=report("results/evaluate/auroc.csv", caption="../report/auroc.rst", category="Evaluation"),
     params:
         cfg=stage_json("evaluate"),
     log:

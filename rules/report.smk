@@ -1,8 +1,12 @@
-# Report: one self-contained HTML file (plots inline).
+# Report: one self-contained HTML file (plots inline), with sections for the studies switched on
+# in config.yaml (scaling, sweep, ablation: their outputs become inputs via report_study_inputs).
+# `snakemake --report report.html` (or .zip) also collects the files marked with report() below
+# and in the study rules, with the captions in report/.
 
 
 rule render_report:
     input:
+        unpack(report_study_inputs),
         metrics="results/evaluate/metrics.json",
         predictions="results/evaluate/predictions.csv",
         pretrain="results/pretrain/metrics.jsonl",
@@ -10,7 +14,7 @@ rule render_report:
         pretrain_manifest=manifest(PRETRAIN_DATASET),
         finetune_manifest=manifest(FINETUNE_DATASET),
     output:
-        "results/report/chexflow_report.html",
+        report("results/report/chexflow_report.html", caption="../report/chexflow_report.rst", category="Report"),
     params:
         cfg=json.dumps(config),
         manifests=f"--manifest {PRETRAIN_DATASET}=" + manifest(PRETRAIN_DATASET)
@@ -19,6 +23,7 @@ rule render_report:
         " --benchmark finetune=benchmarks/finetune/train.tsv"
         " --benchmark evaluate=benchmarks/evaluate/evaluate.tsv",
         repo=workflow.basedir,
+        studies=report_study_args(),
     log:
         "logs/report/report.log",
     benchmark:
@@ -29,4 +34,4 @@ rule render_report:
         "chexflow report --out {output} --metrics {input.metrics} --predictions {input.predictions}"
         " --pretrain-metrics {input.pretrain} --finetune-metrics {input.finetune}"
         " {params.manifests} {params.benchmarks} --study-config-json {params.cfg:q}"
-        " --repo {params.repo:q} > {log} 2>&1"
+        " --repo {params.repo:q} {params.studies} > {log} 2>&1"

@@ -70,7 +70,9 @@ def reference_runs(demo_manifest, tmp_path_factory):
         if backend == "horovod" and not horovod_available():
             continue
         work = tmp_path_factory.mktemp(f"ref-{backend}")
-        code = run(backend, 2, train_cfg(backend), demo_manifest, work)
+        # the DDP run reads node-locally staged copies of the shards: same data, same curve
+        over = {"data": {"stage_to": str(work / "node-local")}} if backend == "ddp" else {}
+        code = run(backend, 2, train_cfg(backend, **over), demo_manifest, work)
         assert code == 0, (work / "run.log").read_text()[-3000:]
         out[backend] = work
     return out
@@ -93,6 +95,16 @@ def test_weights_identical_across_ranks_and_rank0_alone_writes(reference_runs, b
     # the saved model is rank 0's, selected on validation
     model = torch.load(work / "out" / "model.pt", weights_only=True)
     assert model["val_metric_name"] == "mean_auroc" and model["epoch"] in (1, 2)
+
+
+def test_ddp_run_read_shards_staged_once_per_node(reference_runs, demo_manifest):
+    work = reference_runs["ddp"]
+    splits = json.loads(demo_manifest.read_text())["splits"]
+    staged = sorted(p.name.split("-", 1)[1] for p in (work / "node-local" / "chexflow-shards").glob("*.tar"))
+    expected = sorted(Path(s["path"]).name for split in ("train", "val") for s in splits[split]["shards"])
+    assert staged == expected
+    assert not list((work / "node-local").rglob("*.part"))
+    assert "staged" in (work / "run.log").read_text()
 
 
 def test_horovod_and_ddp_same_loss_curve(reference_runs):

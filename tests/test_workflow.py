@@ -54,6 +54,10 @@ def test_dry_run_dag_has_every_stage_in_order(tmp_path):
     assert int(counts["write_shards"]) == 2 + 3       # fashion_mnist train/t10k + 3 demo archives
     assert int(counts["download_file"]) == 4 + 6      # 4 Fashion-MNIST files + demo release files
     assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == "1"
+    # the optional studies are off by default: no scaling, sweep or ablation job
+    for rule in ("scale_pretrain", "summarize_scaling", "sweep_trial", "select_sweep", "evaluate_sweep_winner",
+                 "finetune_ablation", "evaluate_ablation"):
+        assert rule not in counts, rule
 
 
 def test_invalid_config_key_fails_before_any_job(tmp_path):
@@ -66,6 +70,7 @@ def test_invalid_config_key_fails_before_any_job(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_end_to_end_tiny(tmp_path):
     backend = "horovod" if horovod_available() else "ddp"
     cfgfile = tmp_path / "config.yaml"

@@ -102,7 +102,43 @@ def cmd_report(args) -> None:
     render_report(args.out, metrics_json=args.metrics, predictions_csv=args.predictions,
                   pretrain_metrics=args.pretrain_metrics, finetune_metrics=args.finetune_metrics,
                   manifests={k: Path(v) for k, v in manifests.items()}, config=config,
-                  provenance=collect_provenance(args.repo), stage_benchmarks={k: Path(v) for k, v in benches.items()})
+                  provenance=collect_provenance(args.repo), stage_benchmarks={k: Path(v) for k, v in benches.items()},
+                  scaling_csv=args.scaling_csv, scaling_plot=args.scaling_plot, sweep_table=args.sweep_table,
+                  sweep_selection=args.sweep_selection, sweep_metrics=args.sweep_metrics,
+                  ablation_metrics=args.ablation_metrics)
+
+
+def cmd_scale_point(args) -> None:
+    from chexflow.studies import scaling
+    pretrain = _load(C.TrainConfig, args)
+    study = C.load_stage_config(C.ScalingConfig, text=args.scaling_json)
+    scaling.run_point(pretrain, study, world=args.world, manifest=args.manifest, out_dir=args.out_dir,
+                      job_threads=args.job_threads)
+
+
+def cmd_scale_summary(args) -> None:
+    from chexflow.studies import scaling
+    df = scaling.write_summary(args.points, out_csv=args.out_csv, out_json=args.out_json, out_png=args.out_plot)
+    print(df.to_string(index=False))
+
+
+def cmd_sweep_trial(args) -> None:
+    import shlex
+    from chexflow.studies import sweep
+    finetune = json.loads(args.config_json)
+    C.from_dict(C.TrainConfig, finetune)          # the base section itself must be valid
+    sweep.run_trial(finetune, json.loads(args.params_json), trial_id=args.trial,
+                    launcher=shlex.split(args.launcher), ranks=args.ranks, manifest=args.manifest,
+                    pretrained=args.pretrained, out_dir=args.out_dir)
+
+
+def cmd_sweep_select(args) -> None:
+    from chexflow.studies import sweep
+    summary = sweep.write_selection(args.results, out_csv=args.out_csv, out_json=args.out_json,
+                                    out_model=args.out_model)
+    w = summary["winner"]
+    print(f"winner {w['trial']} ({json.dumps(w['params'])}): val {w['val_metric_name']} {w['val_metric']:.4f}; "
+          f"{summary['n_failed']} of {summary['n_trials']} trials failed")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +202,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, required=True)
     p.set_defaults(func=cmd_evaluate)
 
+    p = sub.add_parser("scale-point", help="one rank of the scaling study at one world size")
+    _add_config(p)
+    p.add_argument("--scaling-json", required=True, help="the scaling section as JSON")
+    p.add_argument("--world", type=int, required=True, help="world size of this job")
+    p.add_argument("--job-threads", type=int, default=None,
+                   help="cores of the job on this node, shared by its ranks there")
+    p.add_argument("--manifest", type=Path, required=True)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.set_defaults(func=cmd_scale_point)
+
+    p = sub.add_parser("scale-summary", help="scaling table (speedup, efficiency) and plot")
+    p.add_argument("--out-csv", type=Path, required=True)
+    p.add_argument("--out-json", type=Path, required=True)
+    p.add_argument("--out-plot", type=Path, required=True)
+    p.add_argument("points", type=Path, nargs="+", help="throughput.json of each world size")
+    p.set_defaults(func=cmd_scale_summary)
+
+    p = sub.add_parser("sweep-trial", help="one fine-tuning trial of the sweep (starts its ranks itself)")
+    p.add_argument("--config-json", required=True, help="the finetune section (with stage, dataset) as JSON")
+    p.add_argument("--params-json", required=True, help='the trial\'s overrides, e.g. {"optim.lr": 0.01}')
+    p.add_argument("--trial", required=True, help="trial id (t000, t001, ...)")
+    p.add_argument("--launcher", required=True, help="rank launcher: 'chexflow launch' or an srun line")
+    p.add_argument("-n", "--ranks", type=int, required=True)
+    p.add_argument("--manifest", type=Path, required=True)
+    p.add_argument("--pretrained", type=Path, default=None)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.set_defaults(func=cmd_sweep_trial)
+
+    p = sub.add_parser("sweep-select", help="sweep table; the winner by validation metric")
+    p.add_argument("--out-csv", type=Path, required=True)
+    p.add_argument("--out-json", type=Path, required=True)
+    p.add_argument("--out-model", type=Path, required=True, help="copy of the winner's model.pt")
+    p.add_argument("results", type=Path, nargs="+", help="result.json of every trial")
+    p.set_defaults(func=cmd_sweep_select)
+
     p = sub.add_parser("report", help="the self-contained HTML report")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--metrics", type=Path, required=True)
@@ -177,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-config", type=Path, default=None, help="config.yaml of the study")
     p.add_argument("--study-config-json", default=None, help="the study config as JSON (rules)")
     p.add_argument("--repo", type=Path, default=None)
+    p.add_argument("--scaling-csv", type=Path, default=None, help="scaling study table (optional section)")
+    p.add_argument("--scaling-plot", type=Path, default=None)
+    p.add_argument("--sweep-table", type=Path, default=None, help="sweep trials.csv (optional section)")
+    p.add_argument("--sweep-selection", type=Path, default=None)
+    p.add_argument("--sweep-metrics", type=Path, default=None, help="test metrics.json of the sweep winner")
+    p.add_argument("--ablation-metrics", type=Path, default=None, help="test metrics.json of the ablation run")
     p.set_defaults(func=cmd_report)
     return ap
 

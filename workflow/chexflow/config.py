@@ -93,6 +93,7 @@ class TrainConfig:
     compile: bool = False             # torch.compile the model (GPU)
     deterministic: bool = True        # torch.use_deterministic_algorithms (CPU: bit-identical resume)
     max_steps: int | None = None      # stop after this many optimizer steps (tests, benchmarks)
+    freeze: int = 0                   # leading backbone modules kept frozen (models.backbone_stages)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -121,6 +122,7 @@ class ShardConfig:
     val_fraction: float = 0.1         # share of train(_val) patients carved out for validation
     split_seed: int = 0
     max_reject_fraction: float = 0.001
+    train_parts: int = 16             # imagenet only: shard jobs for the train archive (class ranges)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,54 @@ class EvaluateConfig:
     bootstrap_resamples: int = 1000
     seed: int = 0
     crop: int = 64
+
+
+# --------------------------------------------------------------------------- studies around the main run
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """Weak scaling of pretraining: the same per-rank workload at every world size."""
+    enabled: bool = False
+    world_sizes: tuple[int, ...] = (1, 2)   # ranks per job (SLURM: GPUs, see profiles/slurm)
+    steps_per_rank: int = 40          # optimizer steps per rank and epoch
+    epochs: int = 2                   # throughput is taken from the last epoch (the first warms up)
+    batch_size: int = 64              # per rank
+    arch: str = "resnet18"
+    crop: int = 32
+
+
+@dataclass(frozen=True)
+class SweepOptimSpace:
+    lr: tuple[float, ...] = ()        # finetune.optim.lr
+    weight_decay: tuple[float, ...] = ()  # finetune.optim.weight_decay
+
+
+@dataclass(frozen=True)
+class SweepModelSpace:
+    dropout: tuple[float, ...] = ()   # finetune.model.dropout
+
+
+@dataclass(frozen=True)
+class SweepSpace:
+    """Values per fine-tuning key; an empty list keeps the finetune section's value."""
+    batch_size: tuple[int, ...] = ()  # finetune.batch_size
+    freeze: tuple[int, ...] = ()      # finetune.freeze
+    optim: SweepOptimSpace = field(default_factory=SweepOptimSpace)
+    model: SweepModelSpace = field(default_factory=SweepModelSpace)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    enabled: bool = False
+    method: Literal["grid", "random"] = "grid"
+    n_trials: int = 8                 # random: number of trials
+    seed: int = 0                     # random: sampling seed
+    space: SweepSpace = field(default_factory=SweepSpace)
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    enabled: bool = False             # also fine-tune from the other init, same budget
 
 
 T = TypeVar("T")
@@ -263,12 +313,13 @@ def dataclass_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict:
     return {"type": "object", "additionalProperties": False, "properties": props}
 
 
-DATASETS = ("fashion_mnist", "nih_demo", "nih")
+DATASETS = ("fashion_mnist", "nih_demo", "nih", "imagenet")
 
 
 def study_schema() -> dict:
     """The JSON schema of config.yaml (kept in sync with the dataclasses by a test)."""
-    shard = dataclass_schema(ShardConfig, exclude=("dataset",))
+    shard = dataclass_schema(ShardConfig, exclude=("dataset", "train_parts"))
+    shard_imagenet = dataclass_schema(ShardConfig, exclude=("dataset",))
     train = dataclass_schema(TrainConfig, exclude=("stage", "dataset"))
     source = {"type": "object", "additionalProperties": False,
               "properties": {"mirror": {"type": ["string", "null"]}}}
@@ -281,16 +332,19 @@ def study_schema() -> dict:
             "study": {"type": "object", "additionalProperties": False,
                       "required": ["pretrain_dataset", "finetune_dataset"],
                       "properties": {"name": {"type": "string"},
-                                     "pretrain_dataset": {"enum": ["fashion_mnist"]},
+                                     "pretrain_dataset": {"enum": ["fashion_mnist", "imagenet"]},
                                      "finetune_dataset": {"enum": ["nih_demo", "nih"]}}},
             "datasets": {"type": "object", "additionalProperties": False,
                          "properties": {d: source for d in DATASETS}},
             "demo_release": dataclass_schema(DemoReleaseConfig),
             "shards": {"type": "object", "additionalProperties": False,
-                       "properties": {d: shard for d in DATASETS}},
+                       "properties": {d: shard_imagenet if d == "imagenet" else shard for d in DATASETS}},
             "pretrain": train,
             "finetune": train,
             "evaluate": dataclass_schema(EvaluateConfig),
+            "scaling": dataclass_schema(ScalingConfig),
+            "sweep": dataclass_schema(SweepConfig),
+            "ablation": dataclass_schema(AblationConfig),
         },
     }
 

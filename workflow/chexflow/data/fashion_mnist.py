@@ -7,14 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
+from chexflow.data.parts import FASHION_MNIST_PARTS
+
 CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
            "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 
 # part name -> (images file, labels file)
-PARTS = {
-    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-    "t10k": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
-}
+PARTS = FASHION_MNIST_PARTS
 
 
 class IdxError(ValueError):

@@ -213,20 +213,7 @@ def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None
     try:
         with gzip.open(path, "rb") as gz:
             with tarfile.open(fileobj=gz, mode="r|") as tar:
-                for member in tar:
-                    if member.name.startswith(("/", "\\")) or os.path.isabs(member.name):
-                        report(member.name, "absolute member path")
-                        continue
-                    try:
-                        member = tarfile.data_filter(member, _FILTER_ROOT)
-                    except tarfile.FilterError as exc:
-                        report(member.name, f"rejected by the tar 'data' filter: {exc}")
-                        continue
-                    if member.isdir():
-                        continue
-                    if not member.isfile():
-                        report(member.name, "not a regular file (links and special files are not read)")
-                        continue
+                for member in safe_members(tar, report):
                     if not member.name.lower().endswith(".png"):
                         continue
                     fh = tar.extractfile(member)
@@ -243,14 +230,43 @@ def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None
         raise ArchiveError(f"{path}: cannot read archive ({exc})") from exc
 
 
+def safe_members(tar: tarfile.TarFile, report: Callable[[str, str], None]) -> Iterator[tarfile.TarInfo]:
+    """The regular-file members of ``tar`` (read in order) that are safe to read.
+
+    Every member first passes ``tarfile.data_filter`` (the 'data' extraction filter: ``..``, links
+    pointing outside, device files are rejected); absolute names (which the filter would merely
+    strip) are rejected too, and only regular files are yielded (no symlinks or hard links at
+    all). Rejected members go to ``report(member_name, reason)``; directories are skipped silently.
+    """
+    for member in tar:
+        if member.name.startswith(("/", "\\")) or os.path.isabs(member.name):
+            report(member.name, "absolute member path")
+            continue
+        try:
+            member = tarfile.data_filter(member, _FILTER_ROOT)
+        except tarfile.FilterError as exc:
+            report(member.name, f"rejected by the tar 'data' filter: {exc}")
+            continue
+        if member.isdir():
+            continue
+        if not member.isfile():
+            report(member.name, "not a regular file (links and special files are not read)")
+            continue
+        yield member
+
+
 def posix_basename(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1]
 
 
 # --------------------------------------------------------------------------- images
 
-def decode_grey(data: bytes, *, name: str) -> np.ndarray:
+def decode_grey(data: bytes, *, name: str, draft: int | None = None) -> np.ndarray:
     """Decode an image file to uint8 HxW greyscale.
+
+    ``draft``: for JPEGs, let libjpeg decode only the luma channel at the smallest DCT scale
+    (1/2, 1/4, 1/8) that keeps both sides >= ``draft`` px (``PIL.Image.draft``): much faster for
+    large photos that are resized to ``draft`` px afterwards anyway. Ignored for other formats.
 
     - 8-bit L: as is; P/1/CMYK/…: converted by PIL to L.
     - RGB/RGBA/LA/PA: alpha is dropped (not composited), colour converted to L (ITU-R 601 luma).
@@ -265,6 +281,8 @@ def decode_grey(data: bytes, *, name: str) -> np.ndarray:
 
     try:
         with Image.open(io.BytesIO(data)) as img:
+            if draft is not None and img.format == "JPEG":
+                img.draft("L", (draft, draft))
             img.load()
             mode = img.mode
             if mode == "L":

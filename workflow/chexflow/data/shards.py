@@ -24,7 +24,8 @@ import pandas as pd
 import webdataset as wds
 
 from chexflow.config import ShardConfig
-from chexflow.data import fashion_mnist, nih
+from chexflow.data import fashion_mnist, imagenet, nih
+from chexflow.data import parts as _parts
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
 
 SPLITS = ("train", "val", "test")
@@ -43,7 +44,9 @@ class DatasetInfo:
     synthetic: bool
 
 
-def dataset_info(name: str) -> DatasetInfo:
+def dataset_info(name: str, raw_dir: Path | None = None) -> DatasetInfo:
+    """What a dataset is. ImageNet's classes come from its devkit: without ``raw_dir`` its labels
+    are empty (``gather`` then takes them from the part manifests)."""
     if name == "fashion_mnist":
         return DatasetInfo(name, "Fashion-MNIST", "multiclass", tuple(fashion_mnist.CLASSES), False)
     if name == "nih":
@@ -51,7 +54,10 @@ def dataset_info(name: str) -> DatasetInfo:
     if name == "nih_demo":
         return DatasetInfo(name, "mini-NIH synthetic phantoms (embedded demo)", "multilabel",
                            tuple(nih.LABELS), True)
-    raise ShardError(f"dataset {name!r}: no shard reader (known: fashion_mnist, nih, nih_demo)")
+    if name == "imagenet":
+        labels = imagenet.read_devkit(Path(raw_dir) / imagenet.DEVKIT).wnids if raw_dir is not None else ()
+        return DatasetInfo(name, "ImageNet ILSVRC2012", "multiclass", tuple(labels), False)
+    raise ShardError(f"dataset {name!r}: no shard reader (known: fashion_mnist, imagenet, nih, nih_demo)")
 
 
 # --------------------------------------------------------------------------- splits
@@ -70,6 +76,14 @@ def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path) -> 
         rng = np.random.default_rng(cfg.split_seed)
         n_val = int(round(cfg.val_fraction * len(train)))
         df.loc[rng.choice(train, size=n_val, replace=False), "split"] = "val"
+    elif name == "imagenet":
+        # fixed split: the official val set is "val"; every train-archive image is "train" and is
+        # not listed (listing 1.28M names would mean reading all 1000 per-class tars here)
+        if cfg.val_fraction != 0:
+            raise ShardError(f"imagenet: val_fraction must be 0 (got {cfg.val_fraction}): the validation "
+                             "split is the official ILSVRC2012 val set")
+        names = imagenet.val_split_rows(imagenet.read_devkit(raw_dir / imagenet.DEVKIT))
+        df = pd.DataFrame({"image": names, "patient": names, "split": "val"})
     else:
         labels = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
         train_val = nih.read_split_list(raw_dir / "train_val_list.txt")
@@ -86,15 +100,12 @@ def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path) -> 
     return df
 
 
-def parts_of(name: str, n_archives: int | None = None) -> list[str]:
-    """The shard jobs of a dataset: one per source archive."""
-    if name == "fashion_mnist":
-        return list(fashion_mnist.PARTS)
-    if name == "nih":
-        return [f"images_{i:03d}" for i in range(1, 13)]
-    if name == "nih_demo":
-        return [f"images_{i:03d}" for i in range(1, (n_archives or 1) + 1)]
-    raise ShardError(f"dataset {name!r}: no shard reader")
+def parts_of(name: str, n_archives: int | None = None, *, train_parts: int | None = None) -> list[str]:
+    """The shard jobs of a dataset (``chexflow.data.parts.parts_of``, errors as ``ShardError``)."""
+    try:
+        return _parts.parts_of(name, n_archives, train_parts=train_parts)
+    except _parts.PartError as exc:
+        raise ShardError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- samples of a part
@@ -132,27 +143,46 @@ def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: S
                          nih.resize_square(img, cfg.image_size) if keep else None)
         return
 
-    table = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
-    label_cols = list(nih.LABELS)
-    targets = dict(zip(table.index, table[label_cols].to_numpy(dtype=np.float32)))
     def skipped(member: str, reason: str) -> None:
         rejects.append({"image": member, "part": part, "reason": reason})
 
-    for fname, data in nih.iter_archive(raw_dir / f"{part}.tar.gz", on_skip=skipped):
-        if fname not in split_of:
-            rejects.append({"image": fname, "part": part, "reason": "not in the label file or split lists"})
-            continue
-        split = split_of[fname]
-        target = targets[fname]
-        if not wanted(split, fname):
-            yield Sample(fname, str(patient_of[fname]), split, target, None)
+    if name == "imagenet":
+        devkit = imagenet.read_devkit(raw_dir / imagenet.DEVKIT)
+        items = ((key, key, split, target, data) for key, split, target, data in imagenet.iter_part(
+            raw_dir, part, train_parts=cfg.train_parts, devkit=devkit,
+            val_images={k for k, s in split_of.items() if s == "val"}, report=skipped))
+        yield from _decoded(items, part, wanted, rejects,
+                            lambda data, key: imagenet.decode(data, name=key, size=cfg.image_size))
+        return
+
+    table = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
+    label_cols = list(nih.LABELS)
+    targets = dict(zip(table.index, table[label_cols].to_numpy(dtype=np.float32)))
+
+    def labelled() -> Iterator[tuple]:
+        for fname, data in nih.iter_archive(raw_dir / f"{part}.tar.gz", on_skip=skipped):
+            if fname not in split_of:
+                skipped(fname, "not in the label file or split lists")
+                continue
+            yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
+
+    yield from _decoded(labelled(), part, wanted, rejects,
+                        lambda data, key: nih.resize_square(nih.decode_grey(data, name=key), cfg.image_size))
+
+
+def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[Sample]:
+    """Samples from ``(key, patient, split, target, encoded bytes)``: decoded unless already
+    sharded (``wanted`` is False: image None); undecodable ones go to ``rejects`` with the reason."""
+    for key, patient, split, target, data in items:
+        if not wanted(split, key):
+            yield Sample(key, patient, split, target, None)
             continue
         try:
-            img = nih.resize_square(nih.decode_grey(data, name=fname), cfg.image_size)
+            img = decode(data, key)
         except nih.DecodeError as exc:
-            rejects.append({"image": fname, "part": part, "reason": str(exc)})
+            rejects.append({"image": key, "part": part, "reason": str(exc)})
             continue
-        yield Sample(fname, str(patient_of[fname]), split, target, img)
+        yield Sample(key, patient, split, target, img)
 
 
 def _encode(sample: Sample, encoding: str) -> dict:
@@ -186,7 +216,7 @@ def _label_counts(targets: list[np.ndarray], info: DatasetInfo) -> dict[str, int
 def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: Path,
                cfg: ShardConfig) -> dict:
     """Write the shards of one source archive and its manifest; returns the manifest."""
-    info = dataset_info(name)
+    info = dataset_info(name, Path(raw_dir))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = pd.read_csv(splits_csv, dtype=str)
@@ -212,7 +242,8 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
         fname = f"{split}-{n_done[split]:05d}.tar"
         n_done[split] += 1
         with atomic_path(out_dir / fname) as tmp:
-            with wds.TarWriter(str(tmp), encoder=False, mtime=0.0) as sink:   # reproducible bytes
+            # reproducible bytes; an integer mtime (a float one makes tarfile add a pax header per member)
+            with wds.TarWriter(str(tmp), encoder=False, mtime=0) as sink:
                 for smp in batch:
                     sink.write(_encode(smp, cfg.encoding))
         rec = {"file": fname, "split": split, "count": len(batch), "sha256": sha256_file(out_dir / fname),
@@ -261,12 +292,17 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
     n_rejects = 0
     n_images = 0
     patients: dict[str, set] = defaultdict(set)
+    labels = list(info.labels)
     for mpath in part_manifests:
         mpath = Path(mpath)
         try:
             m = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ShardError(f"{mpath}: unreadable part manifest ({exc})") from exc
+        if not labels:             # ImageNet: the classes of the devkit, recorded by every part
+            labels = list(m["labels"])
+        if list(m["labels"]) != labels:
+            raise ShardError(f"{mpath}: its labels differ from the other parts' ({len(m['labels'])} vs {len(labels)})")
         n_rejects += len(m["rejects"])
         for sh in m["shards"]:
             rel = os.path.relpath(mpath.parent / sh["file"], root)
@@ -286,9 +322,9 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
     for split, s in splits.items():
         s["n_patients"] = len(patients[split])
         s["n_shards"] = len(s["shards"])
-        s["label_counts"] = {label: int(s["label_counts"].get(label, 0)) for label in info.labels}
+        s["label_counts"] = {label: int(s["label_counts"].get(label, 0)) for label in labels}
     manifest = {"dataset": name, "title": info.title, "synthetic": info.synthetic, "task": info.task,
-                "labels": list(info.labels), "image_size": cfg.image_size, "encoding": cfg.encoding,
+                "labels": labels, "image_size": cfg.image_size, "encoding": cfg.encoding,
                 "splits": {k: splits[k] for k in SPLITS if k in splits}, "n_rejects": n_rejects}
     write_text_atomic(out_path, json.dumps(manifest, indent=1))
     return manifest

@@ -7,6 +7,7 @@ offline, can be mailed, and references no external asset. The Jinja2 template
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -408,11 +409,83 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
+# --------------------------------------------------------------------------- optional studies
+def _read_csv(path: Path, what: str, columns: tuple[str, ...]) -> pd.DataFrame:
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} not found: {path}")
+    try:
+        df = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{path}: cannot parse as CSV: {exc}") from exc
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ReportInputError(f"{path}: missing column(s) {missing}")
+    return df
+
+
+def _png_data_uri(path: Path, what: str) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} not found: {path}")
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in json.loads(df.to_json(orient="records"))]
+
+
+def _scaling_view(csv: Path, plot: Path | None) -> dict[str, Any]:
+    df = _read_csv(csv, "scaling table", ("world_size", "images_per_sec", "images_per_sec_per_rank", "speedup",
+                                          "efficiency", "time_per_epoch_s"))
+    return {"rows": _records(df), "plot": _png_data_uri(plot, "scaling plot") if plot else None,
+            "baseline": int(df["world_size"].min()), "path": str(csv)}
+
+
+def _sweep_view(table_csv: Path, selection_json: Path, winner_metrics: Path | None) -> dict[str, Any]:
+    df = _read_csv(table_csv, "sweep table", ("trial", "status", "val_metric", "winner"))
+    selection = _read_json(selection_json, "sweep selection")
+    fixed = {"trial", "status", "val_metric", "val_metric_name", "best_epoch", "reason", "winner"}
+    params = [c for c in df.columns if c not in fixed]
+    test = load_metrics_json(Path(winner_metrics)) if winner_metrics else None
+    winner = selection.get("winner", {}) if isinstance(selection, dict) else {}
+    return {"rows": _records(df), "params": params, "winner": winner.get("trial"),
+            "winner_params": winner.get("params", {}), "winner_val": winner.get("val_metric"),
+            "n_trials": len(df), "n_failed": int((df["status"] != "ok").sum()),
+            "test_mean_auroc": None if test is None else test["mean_auroc"],
+            "test_mean_auroc_ci": None if test is None else test["mean_auroc_ci"]}
+
+
+def _ablation_view(main: dict[str, Any], other: dict[str, Any], config: dict) -> dict[str, Any]:
+    main_init = str((config.get("finetune") or {}).get("init", "pretrained"))
+    other_init = "random" if main_init == "pretrained" else "pretrained"
+    names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}
+    rows = []
+    for init, m, where in ((main_init, main, "results/evaluate"), (other_init, other, "results/ablation/evaluate")):
+        ci = m["mean_auroc_ci"]
+        rows.append({"name": names.get(init, init), "init": init, "mean_auroc": m["mean_auroc"],
+                     "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None, "where": where})
+    by_init = {r["init"]: r["mean_auroc"] for r in rows}
+    diff = None
+    if by_init.get("pretrained") is not None and by_init.get("random") is not None:
+        diff = by_init["pretrained"] - by_init["random"]
+    per_label = [{"display": plots.display_name(lab), "main": main["labels"][lab]["auroc"],
+                  "other": other["labels"].get(lab, {}).get("auroc")} for lab in main["labels"]]
+    return {"rows": rows, "diff": diff, "per_label": per_label, "main_init": main_init, "other_init": other_init}
+
+
 # --------------------------------------------------------------------------- entry point
 def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path | None, pretrain_metrics: Path,
                   finetune_metrics: Path, manifests: dict[str, Path], config: dict, provenance: dict,
-                  stage_benchmarks: dict[str, Path] | None = None) -> None:
-    """Write the self-contained HTML report to ``out_html`` (atomically)."""
+                  stage_benchmarks: dict[str, Path] | None = None, scaling_csv: Path | None = None,
+                  scaling_plot: Path | None = None, sweep_table: Path | None = None,
+                  sweep_selection: Path | None = None, sweep_metrics: Path | None = None,
+                  ablation_metrics: Path | None = None) -> None:
+    """Write the self-contained HTML report to ``out_html`` (atomically).
+
+    The study sections (scaling, sweep, ablation) appear when their inputs are given.
+    """
     out_html = Path(out_html)
     metrics = load_metrics_json(Path(metrics_json))
     labels = list(metrics["labels"])
@@ -423,6 +496,13 @@ def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path |
     benchmarks = [load_benchmark(Path(p), stage) for stage, p in (stage_benchmarks or {}).items()]
     predictions = load_predictions(Path(predictions_csv), labels) if predictions_csv else None
     roc = _roc_view(predictions, labels, metrics)
+
+    if (sweep_table is None) != (sweep_selection is None):
+        raise ReportInputError("the sweep section needs both the sweep table and the selection JSON")
+    scaling_view = _scaling_view(Path(scaling_csv), Path(scaling_plot) if scaling_plot else None) if scaling_csv else None
+    sweep_view = _sweep_view(Path(sweep_table), Path(sweep_selection),
+                             Path(sweep_metrics) if sweep_metrics else None) if sweep_table else None
+    ablation_view = _ablation_view(metrics, load_metrics_json(Path(ablation_metrics)), config) if ablation_metrics else None
 
     rows = _auroc_rows(metrics)
     prov = dict(provenance)
@@ -446,6 +526,9 @@ def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path |
         "has_ci": any(r.ci_low is not None for r in rows),
         "roc": roc,
         "training": [_training_view(pretrain, "Pretraining"), _training_view(finetune, "Fine-tuning")],
+        "scaling": scaling_view,
+        "sweep": sweep_view,
+        "ablation": ablation_view,
         "published": [published.CHEXNET, published.WANG2017, *published.REPRODUCTIONS],
         "split_caveat": published.SPLIT_CAVEAT,
         "config_yaml": _yaml(config),

@@ -81,3 +81,29 @@ def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -
         raise ModelError("no pretrained tensor matches this model (different model.arch?)")
     model.load_state_dict(own)
     return loaded
+
+
+def backbone_stages(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The backbone's leading modules in order, the unit of ``freeze``.
+
+    The top-level children holding parameters, without the head; a single container child
+    (densenet's ``features``) is opened. resnet18: conv1, bn1, layer1, layer2, layer3, layer4.
+    """
+    head = head_prefix(model).rstrip(".")
+    children = [(n, m) for n, m in model.named_children()
+                if n != head.split(".")[0] and any(True for _ in m.parameters())]
+    if len(children) == 1 and len(list(children[0][1].named_children())) > 1:
+        name, box = children[0]
+        children = [(f"{name}.{n}", m) for n, m in box.named_children() if any(True for _ in m.parameters())]
+    return children
+
+
+def freeze_backbone(model: torch.nn.Module, n: int) -> list[str]:
+    """Stop gradients through the first ``n`` backbone stages; returns their names."""
+    stages = backbone_stages(model)
+    if n < 0 or n > len(stages):
+        raise ModelError(f"freeze: {n} is outside 0..{len(stages)} (stages: {', '.join(s for s, _ in stages)})")
+    for _, module in stages[:n]:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    return [s for s, _ in stages[:n]]

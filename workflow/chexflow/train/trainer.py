@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,11 @@ from chexflow.fsutil import sha256_file, write_text_atomic
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.distributed import Backend, gather_arrays, init_backend
 from chexflow.train.losses import task_loss
-from chexflow.train.models import build_model, load_backbone
+from chexflow.train.models import build_model, freeze_backbone, load_backbone
 from chexflow.train.schedule import lr_at, make_scheduler, scaled_lr
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
+EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,14 @@ class Trainer:
         self.train_shards = data.split_shards(paths.manifest, "train")
         self.val_shards = data.split_shards(paths.manifest, "val")
         if cfg.data.stage_to:
-            self.train_shards = data.stage_shards(self.train_shards, Path(cfg.data.stage_to) / f"rank{backend.rank}")
-            self.val_shards = data.stage_shards(self.val_shards, Path(cfg.data.stage_to) / f"rank{backend.rank}")
+            # every rank reads other shards each epoch, so a node needs them all: its local rank 0
+            # copies them once into node-local disk, the node's other ranks wait and read the copies
+            local = Path(cfg.data.stage_to) / "chexflow-shards"
+            copier = backend.local_rank == 0
+            self.train_shards = data.stage_shards(self.train_shards, local, copy=copier)
+            self.val_shards = data.stage_shards(self.val_shards, local, copy=copier)
+            backend.barrier()
+            _log(backend, f"staged {len(self.train_shards) + len(self.val_shards)} shards into {local}")
         self.bpps = cfg.horovod.backward_passes_per_step
         micro = data.steps_per_epoch(self.train_shards, world=backend.size, batch_size=cfg.batch_size,
                                      seed=cfg.seed, epoch=0, samples_per_epoch=cfg.data.samples_per_epoch)
@@ -116,13 +124,16 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model.arch, in_channels=cfg.model.in_channels, num_outputs=len(self.labels),
                             dropout=cfg.model.dropout)
+        if cfg.freeze:
+            _log(backend, f"frozen backbone stages: {', '.join(freeze_backbone(model, cfg.freeze))}")
+        params = [p for p in model.parameters() if p.requires_grad]
         if cfg.optim.name == "sgd":
-            opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=cfg.optim.momentum,
+            opt = torch.optim.SGD(params, lr=1.0, momentum=cfg.optim.momentum,
                                   weight_decay=cfg.optim.weight_decay, nesterov=cfg.optim.nesterov)
         elif cfg.optim.name == "adam":
-            opt = torch.optim.Adam(model.parameters(), lr=1.0, weight_decay=cfg.optim.weight_decay)
+            opt = torch.optim.Adam(params, lr=1.0, weight_decay=cfg.optim.weight_decay)
         else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=cfg.optim.weight_decay)
+            opt = torch.optim.AdamW(params, lr=1.0, weight_decay=cfg.optim.weight_decay)
         sched = make_scheduler(opt, optim=cfg.optim, sched=cfg.schedule, batch_size=cfg.batch_size,
                                world=backend.size, steps_per_epoch=self.steps_per_epoch, epochs=cfg.epochs)
         return model, opt, sched
@@ -176,6 +187,10 @@ class Trainer:
         self.model = model          # the bare network (for callers inspecting the result)
         model, opt = backend.wrap(model, opt, fp16_compression=cfg.horovod.fp16_compression,
                                   backward_passes_per_step=self.bpps)
+        # the scheduler counts steps of the optimizer it was built on; Horovod steps a wrapper
+        # class over the same param groups, so torch's order check would warn at every step
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
+                                category=UserWarning)
         bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16") or cfg.precision == "bf16"
         if backend.is_root:
             _log(backend, f"{cfg.stage}: world {backend.size} ({backend.name}), per-rank batch {cfg.batch_size}, "
@@ -230,7 +245,17 @@ class Trainer:
                 if writer is not None and step % 10 == 0:
                     writer.add_scalar(f"{cfg.stage}/train_loss", float(loss.detach()) * self.bpps, step)
                     writer.add_scalar(f"{cfg.stage}/lr", sched.get_last_lr()[0], step)
-                sig = int(backend.allreduce_max(torch.tensor([self.signals.received], dtype=torch.int64)).item())
+                bad = int(not bool(torch.isfinite(loss_sum).item()))
+                flags = backend.allreduce_max(torch.tensor([self.signals.received, bad], dtype=torch.int64))
+                sig, bad = int(flags[0].item()), int(flags[1].item())
+                if bad:     # every rank sees the same flag and leaves together (no hang in a collective)
+                    _log(backend, f"non-finite training loss at step {step} (epoch {epoch + 1}): diverged, "
+                                  "no model written")
+                    if backend.is_root:     # what a sweep trial records as its outcome
+                        write_text_atomic(Path(self.paths.out_dir) / "diverged.json",
+                                          json.dumps({"step": step, "epoch": epoch + 1, "stage": cfg.stage}))
+                    bar.close()
+                    return EXIT_DIVERGED
                 periodic = cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0
                 if sig or periodic:
                     self._save(model, opt, sched, step, epoch, in_epoch, history, best,

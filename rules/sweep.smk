@@ -1,0 +1,75 @@
+# Hyper-parameter sweep of fine-tuning (config `sweep:`, in `rule all` only when sweep.enabled):
+# one job per trial (trials: chexflow.studies.sweep.expand_trials, grid or seeded random), each a
+# real fine-tuning run of `resources.tasks` ranks started by `chexflow sweep-trial` through the
+# launcher. A trial that diverges or crashes is recorded as failed in its result.json (the job
+# succeeds); a bad trial config, a missing input or preemption fails the job; select_sweep fails
+# when no trial succeeded. The winner (best validation AUROC) is the only model evaluated on test.
+FINETUNE_INIT = config["finetune"].get("init", "random")
+
+
+rule sweep_trial:
+    input:
+        init_inputs(FINETUNE_INIT),
+        manifest=manifest(FINETUNE_DATASET),
+    output:
+        "results/sweep/trials/{trial}/result.json",
+    params:
+        cfg=train_config_json("finetune"),
+        trial=sweep_trial_json,
+        pretrained=init_arg(FINETUNE_INIT),
+    wildcard_constraints:
+        trial="t[0-9]+",
+    log:
+        "logs/sweep/{trial}.log",
+    benchmark:
+        "benchmarks/sweep/{trial}.tsv"
+    threads: 2
+    resources:
+        tasks=2,
+        mpi="chexflow launch",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "chexflow sweep-trial --config-json {params.cfg:q} --params-json {params.trial:q}"
+        " --trial {wildcards.trial} --launcher {resources.mpi:q} -n {resources.tasks}"
+        " --manifest {input.manifest} {params.pretrained}"
+        " --out-dir results/sweep/trials/{wildcards.trial} > {log} 2>&1"
+
+
+rule select_sweep:
+    input:
+        sweep_results(),
+    output:
+        table=report("results/sweep/trials.csv", caption="../report/sweep.rst", category="Sweep"),
+        summary="results/sweep/selection.json",
+        model="results/sweep/winner/model.pt",
+    log:
+        "logs/sweep/select.log",
+    benchmark:
+        "benchmarks/sweep/select.tsv"
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "chexflow sweep-select --out-csv {output.table} --out-json {output.summary}"
+        " --out-model {output.model} {input} > {log} 2>&1"
+
+
+rule evaluate_sweep_winner:
+    input:
+        model="results/sweep/winner/model.pt",
+        manifest=manifest(FINETUNE_DATASET),
+    output:
+        metrics="results/sweep/evaluate/metrics.json",
+        predictions="results/sweep/evaluate/predictions.csv",
+        auroc=report("results/sweep/evaluate/auroc.csv", caption="../report/auroc.rst", category="Sweep"),
+    params:
+        cfg=stage_json("evaluate"),
+    log:
+        "logs/sweep/evaluate.log",
+    benchmark:
+        "benchmarks/sweep/evaluate.tsv"
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "chexflow evaluate --config-json {params.cfg:q} --model {input.model}"
+        " --manifest {input.manifest} --out-dir results/sweep/evaluate > {log} 2>&1"

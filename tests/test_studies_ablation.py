@@ -1,0 +1,79 @@
+"""Ablation: fine-tuning from the other initialisation, same budget, evaluated on test."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, cli_env
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def _snakemake(workdir: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--profile",
+           str(REPO / "profiles/default"), "--cores", "2", *args]
+    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _config(tmp_path: Path, **finetune) -> tuple[dict, Path]:
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["finetune"].update(finetune)
+    cfg["ablation"] = {"enabled": True}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return cfg, path
+
+
+def _shell_of(dry_stdout: str, rule: str) -> str:
+    block = dry_stdout.split(f"rule {rule}:", 1)[1]
+    return re.search(r"^Shell command: (.*)$", block, re.M).group(1)
+
+
+def test_ablation_dag_flips_the_init(tmp_path):
+    _, cfgfile = _config(tmp_path, init="pretrained")
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
+    assert counts["finetune_ablation"] == counts["evaluate_ablation"] == counts["finetune_model"] == "1"
+    shell = _shell_of(dry.stdout, "finetune_ablation")
+    assert '"init": "random"' in shell and "--pretrained" not in shell
+    main = _shell_of(dry.stdout, "finetune_model")
+    # same budget: the same finetune section apart from init
+    strip = lambda s: json.loads(re.search(r"--config-json '(\{.*?\})'", s).group(1))  # noqa: E731
+    a, m = strip(shell), strip(main)
+    assert a.pop("init") == "random" and m.pop("init") == "pretrained" and a == m
+    assert "--ablation-metrics results/ablation/evaluate/metrics.json" in _shell_of(dry.stdout, "render_report")
+
+    _, cfgfile = _config(tmp_path, init="random")
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    shell = _shell_of(dry.stdout, "finetune_ablation")
+    assert '"init": "pretrained"' in shell and "--pretrained results/pretrain/model.pt" in shell
+
+
+@pytest.mark.slow
+def test_ablation_rules_tiny(tmp_path, demo_manifest):
+    """The random-init run (main run from the pretraining model) trained and evaluated on test for real."""
+    cfg, cfgfile = _config(tmp_path, init="pretrained", backend="single", epochs=1, batch_size=16)
+    cfg["finetune"]["data"].update(crop=32, workers=0, samples_per_epoch=64)
+    cfg["evaluate"].update(crop=32, bootstrap_resamples=50)
+    cfgfile.write_text(yaml.safe_dump(cfg))
+    shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/nih_demo")
+    proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--set-resources", "finetune_ablation:tasks=1",
+                      "--allowed-rules", "finetune_ablation", "evaluate_ablation", "--",
+                      "results/ablation/evaluate/metrics.json")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    trained = yaml.safe_load((tmp_path / "results/ablation/finetune/config.yaml").read_text())
+    assert trained["init"] == "random" and trained["epochs"] == 1 and trained["batch_size"] == 16
+    metrics = json.loads((tmp_path / "results/ablation/evaluate/metrics.json").read_text())
+    assert 0.0 <= metrics["mean_auroc"] <= 1.0 and metrics["n_images"] > 0
+    assert metrics["model"] == "results/ablation/finetune/model.pt"
+    auroc = (tmp_path / "results/ablation/evaluate/auroc.csv").read_text().splitlines()
+    assert len(auroc) == 1 + 14 + 1 and auroc[-1].startswith("mean,")

@@ -1,0 +1,1 @@
+"""Studies around the main run: pretraining scaling, fine-tuning sweep, init ablation."""

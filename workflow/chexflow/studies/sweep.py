@@ -1,0 +1,233 @@
+"""Hyper-parameter sweep of fine-tuning: trials, one fine-tuning run per trial, selection on val.
+
+``expand_trials`` turns the ``sweep:`` section into a list of trials (pure, seeded). Each trial
+is the finetune section with some keys overridden (dotted keys: ``optim.lr``, ...). A trial job
+runs the real trainer through the configured launcher and records its outcome in ``result.json``:
+``ok`` with the best validation metric, or ``failed`` when training diverged (non-finite loss) or
+the ranks crashed. What is not the trial's fault fails the job instead: an invalid trial config or
+missing input (before any rank starts) and preemption (so a retry resumes). ``select`` picks the
+best validation metric among the ``ok`` trials and fails when none is (a broken setup fails every
+trial). Only the winner is evaluated on test, once.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chexflow.config import ConfigError, SweepConfig, TrainConfig, from_dict, to_dict, write_yaml_atomic
+from chexflow.fsutil import atomic_path, write_text_atomic
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# (numpy, pandas and torch are imported where used: the Snakefile expands the trials at DAG time)
+
+# dotted finetune key -> how a random trial draws it from the listed values
+KEYS = ("optim.lr", "optim.weight_decay", "batch_size", "model.dropout", "freeze")
+LOG_UNIFORM = {"optim.lr", "optim.weight_decay"}   # between min and max of the list (log if min > 0)
+UNIFORM = {"model.dropout"}                         # between min and max of the list
+CHOICE = {"batch_size", "freeze"}                   # one of the listed values
+DIVERGED_MARKER = "diverged.json"                   # written by the trainer when the loss is NaN/inf
+INFRASTRUCTURE_EXITS = {143, 137, 130, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT}
+
+
+class SweepError(ConfigError):
+    pass
+
+
+def space_of(cfg: SweepConfig) -> dict[str, tuple]:
+    """The swept keys (dotted) and their listed values; keys with an empty list are not swept."""
+    s = cfg.space
+    space = {"optim.lr": s.optim.lr, "optim.weight_decay": s.optim.weight_decay, "batch_size": s.batch_size,
+             "model.dropout": s.model.dropout, "freeze": s.freeze}
+    space = {k: tuple(v) for k, v in space.items() if v}
+    for key, values in space.items():
+        bad = [v for v in values if (key == "optim.lr" and v <= 0) or (key == "optim.weight_decay" and v < 0)
+               or (key == "batch_size" and v < 1) or (key == "model.dropout" and not 0 <= v < 1)
+               or (key == "freeze" and v < 0)]
+        if bad:
+            raise SweepError(f"sweep.space.{key}: value(s) out of range: {bad}")
+    return space
+
+
+def _short(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def expand_trials(cfg: SweepConfig) -> list[dict[str, Any]]:
+    """``[{"id": "t000", "params": {dotted key: value}}, ...]``.
+
+    grid: every combination of the listed values (one trial of the unchanged finetune section
+    when nothing is swept). random: ``n_trials`` draws seeded by ``seed``; lr and weight decay
+    log-uniform between the smallest and largest listed value (uniform when the smallest is 0),
+    dropout uniform in that range, batch size and freeze one of the listed values.
+    """
+    space = space_of(cfg)
+    if cfg.method == "grid":
+        keys = list(space)
+        trials = [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
+    else:
+        if cfg.n_trials < 1:
+            raise SweepError(f"sweep.n_trials: must be >= 1 for method random, got {cfg.n_trials}")
+        import numpy as np
+        rng = np.random.default_rng(cfg.seed)
+        trials = []
+        for _ in range(cfg.n_trials):
+            params: dict[str, Any] = {}
+            for key in KEYS:
+                if key not in space:
+                    continue
+                values = space[key]
+                lo, hi = min(values), max(values)
+                if key in CHOICE or lo == hi:
+                    params[key] = values[int(rng.integers(len(values)))]
+                elif key in LOG_UNIFORM and lo > 0:
+                    params[key] = _short(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+                else:
+                    params[key] = min(_short(rng.uniform(lo, hi)), hi)
+            trials.append(params)
+    return [{"id": f"t{i:03d}", "params": p} for i, p in enumerate(trials)]
+
+
+def trial_params(cfg: SweepConfig, trial_id: str) -> dict[str, Any]:
+    for t in expand_trials(cfg):
+        if t["id"] == trial_id:
+            return t["params"]
+    raise SweepError(f"no trial {trial_id!r} in this sweep")
+
+
+def apply_params(finetune: dict, params: dict[str, Any]) -> dict:
+    """The finetune section (a mapping) with dotted keys overridden."""
+    out = copy.deepcopy(finetune)
+    for dotted, value in params.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def trial_config(finetune: dict, params: dict[str, Any]) -> TrainConfig:
+    cfg = from_dict(TrainConfig, apply_params(finetune, params))
+    from chexflow.train.models import ModelError, build_model, freeze_backbone
+    try:       # freeze must fit the architecture: a sweep setup error, found before any rank starts
+        freeze_backbone(build_model(cfg.model.arch, in_channels=cfg.model.in_channels, num_outputs=1), cfg.freeze)
+    except ModelError as exc:
+        raise SweepError(f"trial config: {exc}") from exc
+    return cfg
+
+
+def _best(history_file: Path) -> tuple[float | None, str | None, int | None]:
+    rows = [json.loads(x) for x in history_file.read_text().splitlines() if x.strip()]
+    finite = [r for r in rows if r.get("val_metric") is not None and math.isfinite(float(r["val_metric"]))]
+    if not finite:
+        return None, rows[-1].get("val_metric_name") if rows else None, None
+    best = max(finite, key=lambda r: float(r["val_metric"]))
+    return float(best["val_metric"]), best.get("val_metric_name"), int(best["epoch"])
+
+
+def run_trial(finetune: dict, params: dict[str, Any], *, trial_id: str, launcher: list[str], ranks: int,
+              manifest: Path, pretrained: Path | None, out_dir: Path) -> dict[str, Any]:
+    """Run one trial through ``launcher -n ranks chexflow train ...``; write and return result.json."""
+    cfg = trial_config(finetune, params)
+    for path in (manifest, pretrained) if cfg.init == "pretrained" else (manifest,):
+        if path is None or not Path(path).is_file():
+            raise SweepError(f"trial {trial_id}: input not found: {path}")
+    out_dir = Path(out_dir)
+    for name in ("result.json", "model.pt", "metrics.jsonl", DIVERGED_MARKER):
+        (out_dir / name).unlink(missing_ok=True)
+    write_yaml_atomic(cfg, out_dir / "trial_config.yaml")
+    cmd = [*launcher, "-n", str(ranks), "chexflow", "train", "--config-json", json.dumps(to_dict(cfg)),
+           "--manifest", str(manifest), "--out-dir", str(out_dir), "--ckpt-dir", str(out_dir / "checkpoints")]
+    if pretrained is not None:
+        cmd += ["--pretrained", str(pretrained)]
+    print(f"trial {trial_id}: {json.dumps(params)}", flush=True)
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "CHEXFLOW_BACKEND": cfg.backend})
+    stopped: list[int] = []
+
+    def forward(signum, _frame):        # the ranks checkpoint on these; a stop is no trial outcome
+        if signum != signal.SIGUSR1:
+            stopped.append(signum)
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail.append(line.rstrip("\n"))
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    sys.stdout.flush()
+    if stopped:
+        raise SystemExit(128 + stopped[0])      # preempted/interrupted: the retry resumes the trial
+    result: dict[str, Any] = {"trial": trial_id, "params": params, "exit_code": code, "status": "ok",
+                              "reason": None, "val_metric": None, "val_metric_name": None, "best_epoch": None,
+                              "model": None}
+    if (out_dir / DIVERGED_MARKER).is_file():
+        info = json.loads((out_dir / DIVERGED_MARKER).read_text())
+        result.update(status="failed", reason=f"diverged: non-finite training loss at step {info.get('step')}")
+    elif code in INFRASTRUCTURE_EXITS:
+        raise SystemExit(code)          # preempted / killed: not the trial's outcome; a retry resumes
+    elif code != 0:
+        result.update(status="failed", reason=f"crashed (exit code {code})", log_tail=list(tail))
+    else:
+        metric, name, epoch = _best(out_dir / "metrics.jsonl")
+        result.update(val_metric=metric, val_metric_name=name, best_epoch=epoch, model=str(out_dir / "model.pt"))
+        if metric is None:
+            result.update(status="failed", reason="no finite validation metric")
+    write_text_atomic(out_dir / "result.json", json.dumps(result, indent=1))
+    print(f"trial {trial_id}: {result['status']}" + (f" ({result['reason']})" if result["reason"] else "")
+          + (f", val {result['val_metric_name']} {result['val_metric']:.4f}" if result["val_metric"] is not None else ""))
+    return result
+
+
+def select(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``ok`` trial with the best validation metric (ties: the first trial id)."""
+    ok = [r for r in results if r.get("status") == "ok" and r.get("val_metric") is not None
+          and math.isfinite(float(r["val_metric"]))]
+    if not ok:
+        reasons = "; ".join(f"{r.get('trial')}: {r.get('reason')}" for r in results)
+        raise SweepError(f"no sweep trial succeeded ({reasons}): check the setup")
+    return max(sorted(ok, key=lambda r: r["trial"]), key=lambda r: float(r["val_metric"]))
+
+
+def table(results: list[dict[str, Any]], winner: str | None) -> "pd.DataFrame":
+    import pandas as pd
+    rows = []
+    for r in sorted(results, key=lambda r: r["trial"]):
+        rows.append({"trial": r["trial"], "status": r["status"], "val_metric": r.get("val_metric"),
+                     "val_metric_name": r.get("val_metric_name"), "best_epoch": r.get("best_epoch"),
+                     **{k: r["params"].get(k) for k in KEYS if k in r["params"]},
+                     "reason": r.get("reason"), "winner": r["trial"] == winner})
+    return pd.DataFrame(rows)
+
+
+def write_selection(result_files: list[Path], *, out_csv: Path, out_json: Path, out_model: Path) -> dict[str, Any]:
+    results = [json.loads(Path(p).read_text()) for p in result_files]
+    winner = select(results)
+    df = table(results, winner["trial"])
+    with atomic_path(out_csv) as tmp:
+        df.to_csv(tmp, index=False, float_format="%.6g")
+    with atomic_path(out_model) as tmp:
+        shutil.copyfile(winner["model"], tmp)
+    summary = {"winner": winner, "n_trials": len(results),
+               "n_failed": sum(r["status"] != "ok" for r in results),
+               "trials": json.loads(df.to_json(orient="records"))}
+    write_text_atomic(out_json, json.dumps(summary, indent=1))
+    return summary
