@@ -26,4 +26,4 @@ rule finetune_model:
         " chexflow train --config-json {params.cfg:q} --manifest {input.manifest}"
         " --pretrained {input.pretrained}"
         " --out-dir results/finetune --ckpt-dir results/finetune/checkpoints"
-        " --tensorboard logs/finetune/tensorboard >> {log} 2>&1"
+        " --tensorboard logs/finetune/tensorboard > {log} 2>&1"

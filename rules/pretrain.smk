@@ -27,4 +27,4 @@ rule pretrain_model:
         "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
         " chexflow train --config-json {params.cfg:q} --manifest {input.manifest}"
         " --out-dir results/pretrain --ckpt-dir results/pretrain/checkpoints"
-        " --tensorboard logs/pretrain/tensorboard >> {log} 2>&1"
+        " --tensorboard logs/pretrain/tensorboard > {log} 2>&1"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -37,10 +38,14 @@ def snakemake_slurm(cluster, workdir: Path, cfgfile: Path, *args: str, timeout: 
     return proc
 
 
-def snakemake_slurm_cmd(cluster, workdir: Path, cfgfile: Path) -> tuple[list[str], dict]:
+def snakemake_slurm_cmd(cluster, workdir: Path, cfgfile: Path, *args: str) -> tuple[list[str], dict]:
     env = {**cluster.env, "PATH": cli_env()["PATH"], "PYTHONPATH": cli_env()["PYTHONPATH"]}
     return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
-            "--profile", str(PROFILE), "--workflow-profile", str(CI_OVERLAY), "--configfile", str(cfgfile)], env
+            "--profile", str(PROFILE), "--workflow-profile", str(CI_OVERLAY), "--configfile", str(cfgfile),
+            *args], env
+
+
+FINETUNE_ONLY = "results/finetune/model.pt"     # the preemption tests stop at fine-tuning
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +124,7 @@ def _finetune_job(env) -> str | None:
 def _interrupt_finetune_mid_run(cluster, work: Path, cfg: dict, cfgfile: Path, action: list[str]):
     """Start the workflow with a longer fine-tuning, wait for a fresh checkpoint, then `action` the job."""
     cfgfile.write_text(yaml.safe_dump(cfg))
-    cmd, env = snakemake_slurm_cmd(cluster, work, cfgfile)
+    cmd, env = snakemake_slurm_cmd(cluster, work, cfgfile, FINETUNE_ONLY)
     log = open(work / f"snakemake-{len(list(work.glob('snakemake-*.log')))}.log", "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -146,6 +151,14 @@ def test_requeued_training_job_resumes_from_its_checkpoint(slurm_demo):
     longer["finetune"]["epochs"] = 4
     longer["finetune"]["checkpoint"]["every_steps"] = 5
     proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scontrol", "requeue"])
+    # SLURM holds a requeued batch job ~2 min (EligibleTime); let it start as soon as it is pending
+    for _ in range(60):
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=cluster.env, capture_output=True,
+                               text=True).stdout
+        if "BeginTime" in state:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env)
+            break
+        time.sleep(0.5)
     assert proc.wait(timeout=900) == 0, (work / "logs/finetune/train.log").read_text()[-4000:]
     train_log = work / "logs/finetune/train.log"
     steps = _resumed_from(train_log)
@@ -162,12 +175,23 @@ def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
     longer = json.loads(json.dumps(cfg))
     longer["finetune"]["epochs"] = 5
     longer["finetune"]["checkpoint"]["every_steps"] = 5
-    proc, _ = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scancel"])
-    assert proc.wait(timeout=300) != 0
+    proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scancel"])
+    # snakemake-executor-plugin-slurm 2.8.0 never takes sacct's "CANCELLED by <uid>" for a failure
+    # and would wait forever (README, "Running on your cluster"): the user stops it with Ctrl-C
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        state = subprocess.run(["sacct", "-X", "-P", "-n", "-j", job, "-o", "State"], env=cluster.env,
+                               capture_output=True, text=True).stdout
+        if state.startswith("CANCELLED"):
+            break
+        time.sleep(1)
+    assert state.startswith("CANCELLED"), state
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=180) != 0
     assert not (work / "results/finetune/model.pt").exists()
     assert not (work / "results/finetune/metrics.jsonl").exists()
     # the same command again: fine-tuning resumes from the checkpoint the cancelled job left
-    proc = snakemake_slurm(cluster, work, cfgfile)
+    proc = snakemake_slurm(cluster, work, cfgfile, FINETUNE_ONLY)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     steps = _resumed_from(work / "logs/finetune/train.log")
     assert len(steps) == 1 and steps[0] > 0
