@@ -29,10 +29,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2400),
 
 
 def snakemake_slurm(cluster, workdir: Path, cfgfile: Path, *args: str, timeout: float = 1500):
-    env = {**cluster.env, "PATH": cli_env()["PATH"], "PYTHONPATH": cli_env()["PYTHONPATH"]}
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
-           "--profile", str(PROFILE), "--workflow-profile", str(CI_OVERLAY), "--configfile", str(cfgfile),
-           *args]
+    cmd, env = snakemake_slurm_cmd(cluster, workdir, cfgfile, *args)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     (workdir / f"snakemake-{len(list(workdir.glob('snakemake-*.log')))}.log").write_text(proc.stdout + proc.stderr)
     return proc
@@ -40,9 +37,9 @@ def snakemake_slurm(cluster, workdir: Path, cfgfile: Path, *args: str, timeout: 
 
 def snakemake_slurm_cmd(cluster, workdir: Path, cfgfile: Path, *args: str) -> tuple[list[str], dict]:
     env = {**cluster.env, "PATH": cli_env()["PATH"], "PYTHONPATH": cli_env()["PYTHONPATH"]}
-    return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
-            "--profile", str(PROFILE), "--workflow-profile", str(CI_OVERLAY), "--configfile", str(cfgfile),
-            *args], env
+    # targets first: --configfile takes several values and would swallow them
+    return [sys.executable, "-m", "snakemake", *args, "-s", str(REPO / "Snakefile"), "-d", str(workdir),
+            "--profile", str(PROFILE), "--workflow-profile", str(CI_OVERLAY), "--configfile", str(cfgfile)], env
 
 
 FINETUNE_ONLY = "results/finetune/model.pt"     # the preemption tests stop at fine-tuning
