@@ -88,13 +88,7 @@ def write_shards(raw: Path, out: Path, size: int, samples_per_shard: int, n_arch
     from chexflow.data import shards
     cfg = ShardConfig(dataset="nih_demo", image_size=size, samples_per_shard=samples_per_shard,
                       encoding="raw", val_fraction=0.0, max_reject_fraction=0.0)
-    shards.split_dataset("nih_demo", raw, cfg, out / "splits.csv")
-    parts = []
-    for part in shards.parts_of("nih_demo", n_archives):
-        shards.write_part("nih_demo", part, raw, out / "splits.csv", out / "parts" / part, cfg)
-        parts.append(out / "parts" / part / "manifest.json")
-    shards.gather("nih_demo", parts, out / "manifest.json", cfg)
-    return out / "manifest.json"
+    return shards.build_dataset("nih_demo", raw, out, cfg, n_archives=n_archives)
 
 
 def grey_loader(path: str) -> Image.Image:

@@ -3,7 +3,7 @@ download from a file mirror -> patient-wise split -> shards -> manifest)."""
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +39,18 @@ def cli_env() -> dict:
     return env
 
 
+def snakemake(workdir: Path, *args: str, cores: int = 2, timeout: float = 1500) -> subprocess.CompletedProcess:
+    """The workflow with the workstation profile in ``workdir`` (a real ``snakemake`` process)."""
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--profile",
+           str(REPO / "profiles/default"), "--cores", str(cores), *args]
+    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def job_counts(stdout: str) -> dict[str, int]:
+    """Jobs per rule from the "Job stats" table Snakemake prints (dry run or real run)."""
+    return {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", stdout, re.M)}
+
+
 def build_demo_dataset(root: Path, *, n_images: int = 240, image_size: int = 32, per_archive: int = 80,
                        samples_per_shard: int = 20) -> Path:
     """The demo chain at toy scale through the package's own functions; returns the manifest path."""
@@ -53,14 +65,7 @@ def build_demo_dataset(root: Path, *, n_images: int = 240, image_size: int = 32,
         download.fetch_source_file(src, name, raw, str(release), progress=False)
     cfg = ShardConfig(dataset="nih_demo", image_size=image_size, samples_per_shard=samples_per_shard,
                       val_fraction=0.2, max_reject_fraction=0.0)
-    out = root / "shards"
-    shards.split_dataset("nih_demo", raw, cfg, out / "splits.csv")
-    parts = []
-    for part in shards.parts_of("nih_demo", n_archives):
-        shards.write_part("nih_demo", part, raw, out / "splits.csv", out / "parts" / part, cfg)
-        parts.append(out / "parts" / part / "manifest.json")
-    shards.gather("nih_demo", parts, out / "manifest.json", cfg)
-    return out / "manifest.json"
+    return shards.build_dataset("nih_demo", raw, root / "shards", cfg, n_archives=n_archives)
 
 
 @pytest.fixture(scope="session")

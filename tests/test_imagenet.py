@@ -214,7 +214,7 @@ def test_val_fraction_must_be_zero(built, tmp_path):
 
 
 def test_dry_run_dag_with_imagenet_pretraining(tmp_path):
-    from test_workflow import snakemake
+    from conftest import job_counts, snakemake
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
@@ -224,7 +224,7 @@ def test_dry_run_dag_with_imagenet_pretraining(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     dry = snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "config.yaml"))
     assert dry.returncode == 0, dry.stderr[-3000:]
-    counts = {k: int(v) for k, v in re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M)}
+    counts = job_counts(dry.stdout)
     assert counts["write_shards"] == 5 + 1 + 3          # imagenet train_000..train_004 + val, 3 demo archives
     assert counts["download_file"] == 3 + 6            # the ImageNet release + the demo release files
     assert counts["split_dataset"] == counts["gather_shards"] == 2

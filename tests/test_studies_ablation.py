@@ -1,25 +1,20 @@
 """Ablation: fine-tuning from the other initialisation, same budget, evaluated on test."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, cli_env
-
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+from conftest import REPO, job_counts, snakemake
 
 
-def _snakemake(workdir: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--profile",
-           str(REPO / "profiles/default"), "--cores", "2", *args]
-    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+_snakemake = functools.partial(snakemake, timeout=900)
 
 
 def _config(tmp_path: Path, **finetune) -> tuple[dict, Path]:
@@ -40,8 +35,8 @@ def test_ablation_dag_flips_the_init(tmp_path):
     _, cfgfile = _config(tmp_path, init="pretrained")
     dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
     assert dry.returncode == 0, dry.stderr[-3000:]
-    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
-    assert counts["finetune_ablation"] == counts["evaluate_ablation"] == counts["finetune_model"] == "1"
+    counts = job_counts(dry.stdout)
+    assert counts["finetune_ablation"] == counts["evaluate_ablation"] == counts["finetune_model"] == 1
     shell = _shell_of(dry.stdout, "finetune_ablation")
     assert '"init": "random"' in shell and "--pretrained" not in shell
     main = _shell_of(dry.stdout, "finetune_model")

@@ -1,29 +1,22 @@
 """Scaling study: the snakemake rules at world sizes 1 and 2 on a tiny workload (real ranks)."""
 from __future__ import annotations
 
+import functools
 import json
-import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
-from conftest import REPO, cli_env, horovod_available
+from conftest import REPO, horovod_available, job_counts, snakemake
 
 from chexflow.config import ScalingConfig, TrainConfig
 from chexflow.studies import scaling
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 
-def _snakemake(workdir: Path, *args: str, cores: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--profile",
-           str(REPO / "profiles/default"), "--cores", str(cores), *args]
-    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+_snakemake = functools.partial(snakemake, timeout=600)
 
 
 def test_summary_speedup_and_efficiency(tmp_path):
@@ -64,8 +57,8 @@ def test_scaling_rules_world_1_and_2(tmp_path, demo_manifest):
 
     dry = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile))
     assert dry.returncode == 0, dry.stderr[-3000:]
-    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
-    assert counts["scale_pretrain"] == "2" and counts["summarize_scaling"] == "1"
+    counts = job_counts(dry.stdout)
+    assert counts["scale_pretrain"] == 2 and counts["summarize_scaling"] == 1
     # (with scaling.enabled false, the default, `all` has no scaling job: test_workflow's dry run)
 
     shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/fashion_mnist")

@@ -1,33 +1,26 @@
 """Fine-tuning sweep: trial expansion, selection, and the rules on a tiny run (one trial diverges)."""
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
-import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
-from conftest import REPO, cli_env
+from conftest import REPO, job_counts, snakemake
 
 from chexflow.config import SweepConfig, TrainConfig, from_dict
 from chexflow.studies import sweep
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 SPACE = {"batch_size": [16, 32], "freeze": [0, 2, 4], "optim": {"lr": [1e-4, 1e-3, 1e-2], "weight_decay": [0.0, 1e-4]},
          "model": {"dropout": [0.0, 0.5]}}
 
 
-def _snakemake(workdir: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--profile",
-           str(REPO / "profiles/default"), "--cores", "2", *args]
-    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+_snakemake = functools.partial(snakemake, timeout=900)
 
 
 def test_grid_is_every_combination():
@@ -101,9 +94,9 @@ def test_sweep_rules_tiny(tmp_path, demo_manifest):
 
     dry = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile))
     assert dry.returncode == 0, dry.stderr[-3000:]
-    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
-    assert counts["sweep_trial"] == "2" and counts["select_sweep"] == "1"
-    assert counts["evaluate_sweep_winner"] == "1" and counts["evaluate_model"] == "1"
+    counts = job_counts(dry.stdout)
+    assert counts["sweep_trial"] == 2 and counts["select_sweep"] == 1
+    assert counts["evaluate_sweep_winner"] == 1 and counts["evaluate_model"] == 1
 
     shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/nih_demo")
     proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--set-resources", "sweep_trial:tasks=1",

@@ -3,16 +3,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, cli_env, horovod_available
+from conftest import REPO, horovod_available, job_counts, snakemake
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 CHAIN = ["download_file", "write_shards", "gather_shards", "pretrain_model", "finetune_model",
          "evaluate_model", "render_report"]
 
@@ -32,12 +28,6 @@ def tiny_config(backend: str) -> dict:
     return cfg
 
 
-def snakemake(workdir: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--profile",
-           str(REPO / "profiles/default"), "--cores", "2", *args]
-    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
-
-
 def test_dry_run_dag_has_every_stage_in_order(tmp_path):
     (tmp_path / "config.yaml").write_text((REPO / "config.yaml").read_text())
     proc = snakemake(tmp_path, "--rulegraph")
@@ -50,10 +40,10 @@ def test_dry_run_dag_has_every_stage_in_order(tmp_path):
         assert (a, b) in edges, f"no edge {a} -> {b} in the DAG"
     dry = snakemake(tmp_path, "-n")
     assert dry.returncode == 0, dry.stderr[-3000:]
-    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
-    assert int(counts["write_shards"]) == 2 + 3       # fashion_mnist train/t10k + 3 demo archives
-    assert int(counts["download_file"]) == 4 + 6      # 4 Fashion-MNIST files + demo release files
-    assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == "1"
+    counts = job_counts(dry.stdout)
+    assert counts["write_shards"] == 2 + 3       # fashion_mnist train/t10k + 3 demo archives
+    assert counts["download_file"] == 4 + 6      # 4 Fashion-MNIST files + demo release files
+    assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == 1
     # the optional studies are off by default: no scaling, sweep or ablation job
     for rule in ("scale_pretrain", "summarize_scaling", "sweep_trial", "select_sweep", "evaluate_sweep_winner",
                  "finetune_ablation", "evaluate_ablation"):

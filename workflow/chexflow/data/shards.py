@@ -281,6 +281,20 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
     return manifest
 
 
+def build_dataset(name: str, raw_dir: Path, out_dir: Path, cfg: ShardConfig, *,
+                  n_archives: int | None = None) -> Path:
+    """The whole shard stage in one process (split, every part, gather; the workflow runs these as
+    separate jobs); returns the dataset manifest ``out_dir/manifest.json``."""
+    raw_dir, out_dir = Path(raw_dir), Path(out_dir)
+    split_dataset(name, raw_dir, cfg, out_dir / "splits.csv")
+    part_manifests = []
+    for part in parts_of(name, n_archives, train_parts=cfg.train_parts):
+        write_part(name, part, raw_dir, out_dir / "splits.csv", out_dir / "parts" / part, cfg)
+        part_manifests.append(out_dir / "parts" / part / "manifest.json")
+    gather(name, part_manifests, out_dir / "manifest.json", cfg)
+    return out_dir / "manifest.json"
+
+
 # --------------------------------------------------------------------------- gather
 
 def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConfig) -> dict:
