@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -82,6 +83,10 @@ class HorovodBackend(Backend):
         # Not load_state_dict: that would replace the group dicts and detach the scheduler.
         assert all(a is b for a, b in zip(wrapped.param_groups, optimizer.param_groups))
         wrapped.state.update(optimizer.state)
+        # the LR scheduler counts the steps of `optimizer`; the wrapper's class steps instead, so
+        # torch's "lr_scheduler.step() before optimizer.step()" check would warn at every step
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
+                                category=UserWarning)
         return model, wrapped
 
     def shutdown(self) -> None:

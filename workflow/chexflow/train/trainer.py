@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from chexflow.train import checkpoint as ckpt
 from chexflow.train.distributed import Backend, gather_arrays, init_backend
 from chexflow.train.losses import task_loss
 from chexflow.train.models import build_model, freeze_backbone, load_backbone
-from chexflow.train.schedule import lr_at, make_scheduler, scaled_lr
+from chexflow.train.schedule import make_scheduler, scaled_lr
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
 EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
@@ -187,10 +186,6 @@ class Trainer:
         self.model = model          # the bare network (for callers inspecting the result)
         model, opt = backend.wrap(model, opt, fp16_compression=cfg.horovod.fp16_compression,
                                   backward_passes_per_step=self.bpps)
-        # the scheduler counts steps of the optimizer it was built on; Horovod steps a wrapper
-        # class over the same param groups, so torch's order check would warn at every step
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
-                                category=UserWarning)
         bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16") or cfg.precision == "bf16"
         if backend.is_root:
             _log(backend, f"{cfg.stage}: world {backend.size} ({backend.name}), per-rank batch {cfg.batch_size}, "
