@@ -39,7 +39,7 @@ from chexflow import config as C  # noqa: E402
 from chexflow.data import loader as data  # noqa: E402
 from chexflow.train import models  # noqa: E402
 from chexflow.train.trainer import TrainPaths, Trainer  # noqa: E402
-from chexflow.train.distributed import init_backend  # noqa: E402
+from chexflow.train.distributed import backend_for  # noqa: E402
 
 N_LABELS = 14
 
@@ -101,7 +101,7 @@ def bare_loop(cfg: C.TrainConfig, device: torch.device, steps: int, warmup: int)
 
 
 def full_path(cfg: C.TrainConfig, manifest: Path, work: Path) -> float:
-    backend = init_backend(cfg.backend, fusion_threshold_mb=cfg.horovod.fusion_threshold_mb)
+    backend = backend_for(cfg)
     try:
         code = Trainer(cfg, TrainPaths(manifest=manifest, out_dir=work / "out", ckpt_dir=work / "ckpt"),
                        backend).fit()

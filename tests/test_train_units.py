@@ -8,7 +8,7 @@ from chexflow.config import OptimConfig, ScheduleConfig
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.losses import masked_bce
 from chexflow.train.models import build_model, load_backbone
-from chexflow.train.schedule import lr_at, make_scheduler, scaled_lr
+from chexflow.train.schedule import lr_at, make_scheduler, scaled_lr, set_scheduler_step
 
 
 def test_masked_bce_ignores_nan_labels():
@@ -59,30 +59,70 @@ def test_step_decay_and_scheduler_matches_function():
         s.step()
 
 
-def _state(step):
+def _state(step, run_id="r1"):
     return {"model": {"w": torch.full((2,), float(step))}, "optimizer": {}, "scheduler": {},
-            "step": step, "epoch": 0, "step_in_epoch": step, "run_id": "r1"}
+            "step": step, "epoch": 0, "step_in_epoch": step, "run_id": run_id}
 
 
 def test_checkpoint_newest_valid_skips_corrupt_and_foreign(tmp_path):
     for step in (10, 20, 30):
         ckpt.save_checkpoint(tmp_path, step, _state(step), keep=5)
     # corrupt the newest: truncated file
-    newest = ckpt.checkpoint_path(tmp_path, 30)
+    newest = ckpt.checkpoint_path(tmp_path, 30, "r1")
     newest.write_bytes(newest.read_bytes()[:100])
     logs = []
     path, state = ckpt.load_newest_valid(tmp_path, run_id="r1", log=logs.append)
-    assert state["step"] == 20 and path.name == "step-000000020.pt"
-    assert any("step-000000030.pt" in m and "unreadable" in m for m in logs)
+    assert state["step"] == 20 and path.name == "step-000000020-r1.pt"
+    assert any("step-000000030-r1.pt" in m and "unreadable" in m for m in logs)
     # a checkpoint of another configuration is never resumed
     assert ckpt.load_newest_valid(tmp_path, run_id="other", log=logs.append) is None
+    assert any("belong to other configurations" in m for m in logs)
 
 
 def test_checkpoint_keep_and_atomic(tmp_path):
     for step in range(1, 6):
         ckpt.save_checkpoint(tmp_path, step, _state(step), keep=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000000004.pt", "step-000000005.pt"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000000004-r1.pt", "step-000000005-r1.pt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_checkpoint_pruning_keeps_each_runs_own(tmp_path):
+    """After a config change the old run's higher-numbered checkpoints must not outrank (and
+    prune) the new run's: keep counts per run."""
+    for step in (100, 200, 300):
+        ckpt.save_checkpoint(tmp_path, step, _state(step, "old"), keep=2)
+    new = ckpt.save_checkpoint(tmp_path, 5, _state(5, "new"), keep=2)
+    assert new.exists(), "the new run's first checkpoint was pruned"
+    ckpt.save_checkpoint(tmp_path, 10, _state(10, "new"), keep=2)
+    ckpt.save_checkpoint(tmp_path, 15, _state(15, "new"), keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path, run_id="new")] == \
+        ["step-000000010-new.pt", "step-000000015-new.pt"]
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(tmp_path, run_id="old")] == [200, 300]
+    path, state = ckpt.load_newest_valid(tmp_path, run_id="new", log=lambda m: None)
+    assert state["step"] == 15 and state["run_id"] == "new"
+
+
+def test_scheduler_set_step_matches_stepping():
+    optim = OptimConfig(lr=0.1, reference_batch=64)
+    sched = ScheduleConfig(warmup_epochs=1, decay="cosine")
+    kw = dict(optim=optim, sched=sched, batch_size=32, world=4, steps_per_epoch=10, epochs=5)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    s = make_scheduler(opt, **kw)
+    set_scheduler_step(s, 17)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(17, **kw))
+    opt.step()
+    s.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(18, **kw))
+    assert s.get_last_lr()[0] == pytest.approx(lr_at(18, **kw))
+
+
+def test_to_cpu_keeps_structure_and_detaches():
+    w = torch.ones(2, requires_grad=True)
+    st = {"state": {0: {"momentum_buffer": w * 2, "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1.0}]}
+    out = ckpt.to_cpu(st)
+    buf = out["state"][0]["momentum_buffer"]
+    assert buf.device.type == "cpu" and not buf.requires_grad and torch.equal(buf, torch.full((2,), 2.0))
+    assert out["param_groups"] == [{"lr": 1.0}] and out["state"][0]["step"].item() == 3.0
 
 
 def test_load_backbone_keeps_new_head_and_adapts_stem():

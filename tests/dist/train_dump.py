@@ -12,7 +12,7 @@ from chexflow import config as C
 from chexflow.fsutil import write_text_atomic as _real_write_text
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
-from chexflow.train.distributed import init_backend
+from chexflow.train.distributed import backend_for
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--config-json", required=True)
@@ -24,7 +24,7 @@ ap.add_argument("--dump", type=Path, required=True)
 args = ap.parse_args()
 
 cfg = C.load_stage_config(C.TrainConfig, text=args.config_json)
-backend = init_backend(cfg.backend)
+backend = backend_for(cfg)
 writes = []
 real_save = ckpt.save_atomic
 

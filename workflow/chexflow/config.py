@@ -69,7 +69,12 @@ class ScheduleConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 200            # periodic checkpoint (also on SIGTERM/SIGUSR1)
-    keep: int = 3                     # newest checkpoints kept
+    keep: int = 3                     # newest checkpoints kept (per run: other runs' files are never pruned)
+    # a resume finds a checkpoint written by another number of ranks: the data order and the LR
+    # schedule depend on the world size. refuse: stop with a message naming both sizes; remap:
+    # resume weights/optimizer/epoch, map the position in the epoch by samples seen and recompute
+    # the LR schedule for the new world (logged; that epoch's data order is no longer exact)
+    on_world_change: Literal["refuse", "remap"] = "refuse"
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,15 @@ class HorovodConfig:
     fp16_compression: bool = False    # hvd.Compression.fp16 for the allreduce
     fusion_threshold_mb: int = 64     # HOROVOD_FUSION_THRESHOLD
     backward_passes_per_step: int = 1  # gradient accumulation inside DistributedOptimizer
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    # torch.distributed process group. auto: "cpu:gloo,cuda:nccl" on GPU (NCCL for CUDA tensors, gloo
+    # for CPU ones: flags, objects, broadcasts of CPU state), "gloo" on CPU. "cpu:gloo,cuda:gloo"
+    # runs the same per-device routing on a machine without GPUs (NCCL needs a GPU): the tests use it.
+    process_group: Literal["auto", "gloo", "nccl", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:gloo"] = "auto"
+    timeout_s: int = 1800             # collective timeout: longer than a node-local staging copy or a checkpoint write
 
 
 @dataclass(frozen=True)
@@ -89,10 +103,16 @@ class TrainConfig:
     batch_size: int = 64              # per rank; global batch = batch_size x world size
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16"] = "auto"   # auto: bf16 autocast on GPU, fp32 on CPU
-    channels_last: bool = True        # on GPU only
-    compile: bool = False             # torch.compile the model (GPU)
+    # channels_last memory format for model and inputs. auto: on GPU only; always: on CPU too (tests
+    # of the GPU path); never
+    channels_last: Literal["auto", "always", "never"] = "auto"
+    compile: bool = False             # torch.compile the model (honoured on CPU too)
     deterministic: bool = True        # torch.use_deterministic_algorithms (CPU: bit-identical resume)
     max_steps: int | None = None      # stop after this many optimizer steps (tests, benchmarks)
+    # optimizer steps between host-side checks of the stop conditions (signal received, non-finite
+    # loss): each check waits for the device and runs one small allreduce, so all ranks stop together
+    # at the same step. Periodic checkpoints and epoch ends are always checked.
+    check_every_steps: int = 20
     freeze: int = 0                   # leading backbone modules kept frozen (models.backbone_stages)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -100,6 +120,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
 # --------------------------------------------------------------------------- data stages

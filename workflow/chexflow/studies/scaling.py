@@ -73,13 +73,13 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
     (so world 1 and world 2 on a workstation use the same cores, without oversubscription).
     """
     from chexflow.data import loader as data
-    from chexflow.train.distributed import init_backend
+    from chexflow.train.distributed import backend_for
     from chexflow.train.trainer import Trainer, TrainPaths
 
     cfg = train_config(pretrain, scaling, world)
     out_dir = Path(out_dir)
     paths = TrainPaths(manifest=Path(manifest), out_dir=out_dir, ckpt_dir=out_dir / "checkpoints")
-    backend = init_backend(cfg.backend, fusion_threshold_mb=cfg.horovod.fusion_threshold_mb)
+    backend = backend_for(cfg)
     code = 0
     try:
         if backend.size != world:

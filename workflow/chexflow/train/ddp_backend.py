@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from chexflow.train.checkpoint import to_cpu
 from chexflow.train.distributed import Backend, DistributedError
 
 
@@ -33,33 +34,59 @@ def _env_from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
+def process_group_spec(requested: str, *, cuda: bool) -> str:
+    """The ``init_process_group`` backend string: with GPUs, NCCL for CUDA tensors and gloo for CPU
+    tensors (the trainer's flags, objects and CPU state dicts), so no collective ever meets a
+    tensor on a device its backend cannot carry."""
+    if requested == "auto":
+        return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if "nccl" in requested and not cuda:
+        raise DistributedError(f"ddp.process_group: {requested!r} needs GPUs (NCCL); none is visible here")
+    return requested
+
+
 class DDPBackend(Backend):
     name = "ddp"
 
-    def __init__(self) -> None:
+    def __init__(self, *, process_group: str = "auto", timeout_s: int = 1800) -> None:
         _env_from_slurm()
         if "RANK" not in os.environ:
             raise DistributedError("train.backend is 'ddp' but no launcher set RANK/WORLD_SIZE "
                                    "(start with torchrun, srun, or `chexflow launch`)")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        cuda = torch.cuda.is_available()
+        self.spec = process_group_spec(process_group, cuda=cuda)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")).split("(")[0] or 1)
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(backend=self.spec, timeout=datetime.timedelta(seconds=timeout_s))
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # a tensor stays on its device when the group has a backend for it; a single-backend NCCL
+        # group only carries CUDA tensors, a gloo group carries CPU (and, for gloo, CUDA) tensors
+        self._nccl_only = self.spec == "nccl"
+
+    def _carry(self, value: torch.Tensor) -> torch.Tensor:
+        if self._nccl_only and value.device.type != "cuda":
+            return value.to(torch.device("cuda", torch.cuda.current_device()))
+        return value
 
     def broadcast_model(self, model: torch.nn.Module) -> None:
         for t in model.state_dict().values():
-            dist.broadcast(t.data if hasattr(t, "data") else t, src=0)
+            carried = self._carry(t.data)
+            dist.broadcast(carried, src=0)
+            if carried is not t.data:
+                t.data.copy_(carried)
 
     def broadcast_buffers(self, model: torch.nn.Module) -> None:
         for buf in model.buffers():
-            dist.broadcast(buf.data, src=0)
+            carried = self._carry(buf.data)
+            dist.broadcast(carried, src=0)
+            if carried is not buf.data:
+                buf.data.copy_(carried)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        state = [optimizer.state_dict() if self.rank == 0 else None]
+        # on the CPU whatever rank 0's device; load_state_dict moves it to each parameter's device
+        state = [to_cpu(optimizer.state_dict()) if self.rank == 0 else None]
         dist.broadcast_object_list(state, src=0)
         optimizer.load_state_dict(state[0])
 
@@ -69,12 +96,12 @@ class DDPBackend(Backend):
         return box[0]
 
     def allreduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        v = value.detach().clone().to(self._device)
+        v = self._carry(value.detach().clone())
         dist.all_reduce(v, op=dist.ReduceOp.SUM)
         return (v / self.size).to(value.device)
 
     def allreduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        v = value.detach().clone().to(self._device)
+        v = self._carry(value.detach().clone())
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
         return v.to(value.device)
 

@@ -70,8 +70,11 @@ class Backend:
         pass
 
 
-def init_backend(name: str, *, fusion_threshold_mb: int = 64) -> Backend:
-    """Initialise the backend named in the config (``horovod`` | ``ddp`` | ``single``)."""
+def init_backend(name: str, *, fusion_threshold_mb: int = 64, process_group: str = "auto",
+                 timeout_s: int = 1800) -> Backend:
+    """Initialise the backend named in the config (``horovod`` | ``ddp`` | ``single``).
+
+    ``fusion_threshold_mb`` is Horovod's; ``process_group`` and ``timeout_s`` are DDP's."""
     if name == "single":
         world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1)
         if world > 1:
@@ -82,8 +85,14 @@ def init_backend(name: str, *, fusion_threshold_mb: int = 64) -> Backend:
         return HorovodBackend(fusion_threshold_mb=fusion_threshold_mb)
     if name == "ddp":
         from chexflow.train.ddp_backend import DDPBackend
-        return DDPBackend()
+        return DDPBackend(process_group=process_group, timeout_s=timeout_s)
     raise DistributedError(f"train.backend: unknown backend {name!r} (horovod | ddp | single)")
+
+
+def backend_for(cfg) -> Backend:
+    """The backend a TrainConfig asks for, with its Horovod/DDP settings."""
+    return init_backend(cfg.backend, fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
+                        process_group=cfg.ddp.process_group, timeout_s=cfg.ddp.timeout_s)
 
 
 def expected_world_size() -> int | None:

@@ -7,7 +7,36 @@ from typing import Any
 
 import torch
 
+from chexflow.train.checkpoint import to_cpu
 from chexflow.train.distributed import Backend, DistributedError, expected_world_size
+
+
+def dense_layout_compression(inner):
+    """A Horovod compressor that hands the allreduce a contiguous copy of a gradient that is not
+    contiguous (a channels_last conv weight's gradient; Horovod refuses those, horovod#3491) and
+    gives the result back in the parameter's memory format. ``inner`` (none / fp16) runs on the
+    contiguous copy. Contiguous gradients pass through without a copy."""
+
+    class DenseLayout(inner):
+        @staticmethod
+        def compress(tensor):
+            layout = None
+            if not tensor.is_contiguous():
+                layout = torch.channels_last if tensor.dim() == 4 and tensor.is_contiguous(
+                    memory_format=torch.channels_last) else "strided"
+                tensor = tensor.contiguous()
+            compressed, ctx = inner.compress(tensor)
+            return compressed, (ctx, layout)
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            inner_ctx, layout = ctx
+            out = inner.decompress(tensor, inner_ctx)
+            if layout is torch.channels_last:
+                out = out.contiguous(memory_format=torch.channels_last)
+            return out
+
+    return DenseLayout
 
 
 class HorovodBackend(Backend):
@@ -53,8 +82,9 @@ class HorovodBackend(Backend):
         # breaks bit-identical resume. The whole state dict of rank 0 is small next to a model.
         # an explicit name: Horovod's default is the object's type name, which differs between
         # rank 0 (dict) and the others (None), and mismatched names deadlock the collective
-        state = self.hvd.broadcast_object(optimizer.state_dict() if self.rank == 0 else None, root_rank=0,
-                                          name="chexflow.optimizer_state")
+        # on the CPU whatever rank 0's device; load_state_dict moves it to each parameter's device
+        state = self.hvd.broadcast_object(to_cpu(optimizer.state_dict()) if self.rank == 0 else None,
+                                          root_rank=0, name="chexflow.optimizer_state")
         optimizer.load_state_dict(state)
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -73,7 +103,8 @@ class HorovodBackend(Backend):
         self.hvd.barrier()
 
     def wrap(self, model, optimizer, *, fp16_compression: bool, backward_passes_per_step: int):
-        compression = self.hvd.Compression.fp16 if fp16_compression else self.hvd.Compression.none
+        compression = dense_layout_compression(
+            self.hvd.Compression.fp16 if fp16_compression else self.hvd.Compression.none)
         wrapped = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression,
             backward_passes_per_step=backward_passes_per_step, op=self.hvd.Average)

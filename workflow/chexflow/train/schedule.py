@@ -42,3 +42,13 @@ def make_scheduler(optimizer: torch.optim.Optimizer, **kw) -> torch.optim.lr_sch
         group["lr"] = 1.0
         group["initial_lr"] = 1.0
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **kw))
+
+
+def set_scheduler_step(sched: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put ``sched`` (and its optimizer's LRs) at optimizer step ``step`` of its own schedule, as if
+    it had been stepped that often (a resume whose schedule was recomputed, e.g. for another world)."""
+    sched.last_epoch = step
+    sched._step_count = step + 1
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(step)
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +31,10 @@ from chexflow.data import loader as data
 from chexflow.evaluate import metrics as M
 from chexflow.fsutil import sha256_file, write_text_atomic
 from chexflow.train import checkpoint as ckpt
-from chexflow.train.distributed import Backend, gather_arrays, init_backend
+from chexflow.train.distributed import Backend, backend_for, gather_arrays
 from chexflow.train.losses import task_loss
 from chexflow.train.models import build_model, freeze_backbone, load_backbone
-from chexflow.train.schedule import make_scheduler, scaled_lr
+from chexflow.train.schedule import make_scheduler, scaled_lr, set_scheduler_step
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
 EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
@@ -71,7 +71,7 @@ def _log(backend: Backend, msg: str) -> None:
 
 
 def run(cfg: TrainConfig, paths: TrainPaths) -> None:
-    backend = init_backend(cfg.backend, fusion_threshold_mb=cfg.horovod.fusion_threshold_mb)
+    backend = backend_for(cfg)
     try:
         code = Trainer(cfg, paths, backend).fit()
     finally:
@@ -80,17 +80,52 @@ def run(cfg: TrainConfig, paths: TrainPaths) -> None:
         sys.exit(code)
 
 
+def run_id(cfg: TrainConfig, pretrained: Path | None) -> str:
+    """The identity of a run: a checkpoint is resumed only by the run that wrote it (same settings
+    that shape the result, same starting weights). How it is checkpointed, checked and
+    communicated (checkpoint.*, check_every_steps, ddp.*, fusion threshold, staging) can change
+    between attempts without starting afresh."""
+    ident = to_dict(cfg)
+    for key in ("checkpoint", "check_every_steps", "ddp"):
+        ident.pop(key)
+    ident["data"].pop("stage_to")
+    ident["horovod"].pop("fusion_threshold_mb")
+    text = json.dumps(ident, sort_keys=True) + (sha256_file(pretrained) if pretrained is not None else "")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint of this run cannot be resumed as asked (e.g. another world size)."""
+
+
+@dataclass
+class Progress:
+    """Where the run stands; what a checkpoint restores."""
+    step: int = 0               # optimizer steps taken
+    epoch: int = 0              # completed epochs
+    in_epoch: int = 0           # optimizer steps taken in the current epoch
+    history: list = field(default_factory=list)
+    best: dict = field(default_factory=lambda: {"metric": -math.inf, "epoch": -1})
+    partial: dict | None = None  # resumed mid-epoch: that epoch's training loss so far
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, paths: TrainPaths, backend: Backend) -> None:
+    def __init__(self, cfg: TrainConfig, paths: TrainPaths, backend: Backend,
+                 device: torch.device | None = None) -> None:
         self.cfg, self.paths, self.backend = cfg, paths, backend
         self.signals = _Signals()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device
         if self.device.type == "cpu":
             cores = len(os.sched_getaffinity(0))
             threads = os.environ.get("OMP_NUM_THREADS") or max(1, cores // max(backend.local_size, 1))
             torch.set_num_threads(int(threads))       # ranks sharing a node share its cores
             if cfg.deterministic:
                 torch.use_deterministic_algorithms(True, warn_only=True)
+        # the GPU branches, each reachable on CPU when the config forces it (tests of the GPU path)
+        self.channels_last = cfg.channels_last == "always" or (cfg.channels_last == "auto" and device.type == "cuda")
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         manifest = data.read_manifest(paths.manifest)
         self.task, self.labels = manifest["task"], manifest["labels"]
         self.train_shards = data.split_shards(paths.manifest, "train")
@@ -109,22 +144,29 @@ class Trainer:
                                      seed=cfg.seed, epoch=0, samples_per_epoch=cfg.data.samples_per_epoch)
         self.steps_per_epoch = max(micro // self.bpps, 1)
         self.total_steps = cfg.epochs * self.steps_per_epoch
-        # a checkpoint is resumed only by the run that wrote it: same settings, same starting weights
-        ident = json.dumps(to_dict(cfg), sort_keys=True)
-        if cfg.init == "pretrained" and paths.pretrained is not None:
-            ident += sha256_file(paths.pretrained)
-        self.run_id = hashlib.sha256(ident.encode()).hexdigest()[:16]
+        self.run_id = run_id(cfg, paths.pretrained if cfg.init == "pretrained" else None)
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.frozen: list[torch.nn.Module] = []
+
+    @property
+    def global_batch(self) -> int:
+        """Images per optimizer step over all ranks (the batch the LR is scaled for)."""
+        return self.cfg.batch_size * self.bpps * self.backend.size
 
     # ------------------------------------------------------------------ setup
     def _build(self):
+        """Model on the training device (so a restored optimizer state lands next to its
+        parameters), optimizer, LR schedule."""
         cfg, backend = self.cfg, self.backend
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model.arch, in_channels=cfg.model.in_channels, num_outputs=len(self.labels),
                             dropout=cfg.model.dropout)
         if cfg.freeze:
-            _log(backend, f"frozen backbone stages: {', '.join(freeze_backbone(model, cfg.freeze))}")
+            names = freeze_backbone(model, cfg.freeze)
+            self.frozen = [model.get_submodule(n) for n in names]
+            _log(backend, f"frozen backbone stages (weights and BatchNorm statistics): {', '.join(names)}")
+        model.to(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
         if cfg.optim.name == "sgd":
             opt = torch.optim.SGD(params, lr=1.0, momentum=cfg.optim.momentum,
@@ -133,11 +175,15 @@ class Trainer:
             opt = torch.optim.Adam(params, lr=1.0, weight_decay=cfg.optim.weight_decay)
         else:
             opt = torch.optim.AdamW(params, lr=1.0, weight_decay=cfg.optim.weight_decay)
-        sched = make_scheduler(opt, optim=cfg.optim, sched=cfg.schedule, batch_size=cfg.batch_size,
-                               world=backend.size, steps_per_epoch=self.steps_per_epoch, epochs=cfg.epochs)
+        sched = make_scheduler(opt, **self._schedule_args())
         return model, opt, sched
 
-    def _restore(self, model, opt, sched) -> dict:
+    def _schedule_args(self) -> dict:
+        # the per-rank batch of one optimizer step includes the accumulated backward passes
+        return dict(optim=self.cfg.optim, sched=self.cfg.schedule, batch_size=self.cfg.batch_size * self.bpps,
+                    world=self.backend.size, steps_per_epoch=self.steps_per_epoch, epochs=self.cfg.epochs)
+
+    def _restore(self, model, opt, sched) -> Progress:
         """Rank 0 decides: resume this run, or start (from pretrained weights); then broadcast."""
         backend, cfg = self.backend, self.cfg
         state, source = None, None
@@ -146,7 +192,7 @@ class Trainer:
             if found:
                 source, state = found
                 model.load_state_dict(state["model"])
-                opt.load_state_dict(state["optimizer"])
+                opt.load_state_dict(state["optimizer"])     # moved to each parameter's device
             elif cfg.init == "pretrained":
                 if self.paths.pretrained is None:
                     raise ValueError("init: pretrained needs the pretraining model file")
@@ -157,140 +203,198 @@ class Trainer:
         meta = {"resumed": state is not None, "source": str(source) if source else None}
         if state is not None:
             meta.update({k: state.get(k) for k in ("step", "epoch", "step_in_epoch", "history", "best", "scheduler",
-                                                   "partial")})
+                                                   "partial", "world_size")})
         meta = backend.broadcast_object(meta)
+        prog = Progress()
         if meta["resumed"]:
+            prog = Progress(step=meta["step"], epoch=meta["epoch"], in_epoch=meta["step_in_epoch"],
+                            history=list(meta["history"] or []), best=meta["best"] or prog.best,
+                            partial=meta["partial"])
             backend.broadcast_optimizer(opt)
-            sched.load_state_dict(meta["scheduler"])
-            _log(backend, f"resuming from {meta['source']} at step {meta['step']} "
-                          f"(epoch {meta['epoch']}, step {meta['step_in_epoch']} of the epoch)")
+            written_by = meta.get("world_size") or backend.size
+            if written_by != backend.size:
+                self._resume_other_world(prog, sched, meta["source"], written_by)
+            else:
+                sched.load_state_dict(meta["scheduler"])
+            _log(backend, f"resuming from {meta['source']} at step {prog.step} "
+                          f"(epoch {prog.epoch}, step {prog.in_epoch} of the epoch)")
         # parameters last: whatever rank 0 holds now is what every rank trains
         backend.broadcast_model(model)
-        return meta
+        return prog
+
+    def _resume_other_world(self, prog: Progress, sched, source: str, written_by: int) -> None:
+        """A checkpoint written by ``written_by`` ranks, resumed by another number of ranks."""
+        size, policy = self.backend.size, self.cfg.checkpoint.on_world_change
+        if policy == "refuse":
+            raise ResumeError(
+                f"checkpoint {source} was written by a world of {written_by} ranks, this run has {size}: "
+                f"the data order and the LR schedule depend on the world size, so it cannot resume exactly. "
+                f"Rerun with {written_by} ranks, set {self.cfg.stage}.checkpoint.on_world_change: remap "
+                f"to resume with the position and LR recomputed for {size} ranks, or remove "
+                f"{Path(source).parent} to start afresh.")
+        samples_done = prog.in_epoch * self.cfg.batch_size * self.bpps * written_by
+        prog.in_epoch = min(samples_done // self.global_batch, self.steps_per_epoch)
+        prog.step = prog.epoch * self.steps_per_epoch + prog.in_epoch
+        prog.partial = None
+        set_scheduler_step(sched, prog.step)
+        _log(self.backend, f"checkpoint {source} was written by {written_by} ranks, this run has {size} "
+                           f"(checkpoint.on_world_change: remap): {samples_done} samples of epoch "
+                           f"{prog.epoch + 1} were done, resuming at step {prog.in_epoch} of "
+                           f"{self.steps_per_epoch} with the LR schedule of {size} ranks; the rest of "
+                           "this epoch's data order is the new world's")
+
+    def _prepare(self, model, opt):
+        """Memory format, compilation and gradient averaging, after every broadcast."""
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)   # after the broadcast (contiguity)
+        if self.cfg.compile:
+            model = torch.compile(model)
+        self.model = model          # the bare network (for callers inspecting the result)
+        return self.backend.wrap(model, opt, fp16_compression=self.cfg.horovod.fp16_compression,
+                                 backward_passes_per_step=self.bpps)
+
+    def _train_mode(self, model) -> None:
+        model.train()
+        for module in self.frozen:      # frozen stages keep their BatchNorm running statistics
+            module.eval()
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
-        cfg, backend, device = self.cfg, self.backend, self.device
+        cfg, backend = self.cfg, self.backend
         model, opt, sched = self._build()
-        meta = self._restore(model, opt, sched)
-        step = meta.get("step", 0)
-        epoch = meta.get("epoch", 0)
-        skip = meta.get("step_in_epoch", 0)
-        history: list[dict] = list(meta.get("history", []))
-        best = meta.get("best", {"metric": -math.inf, "epoch": -1})
-        model.to(device)
-        if device.type == "cuda" and cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)   # after the broadcast (contiguity)
-        if cfg.compile:
-            model = torch.compile(model)
-        self.model = model          # the bare network (for callers inspecting the result)
-        model, opt = backend.wrap(model, opt, fp16_compression=cfg.horovod.fp16_compression,
-                                  backward_passes_per_step=self.bpps)
-        bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16") or cfg.precision == "bf16"
-        if backend.is_root:
-            _log(backend, f"{cfg.stage}: world {backend.size} ({backend.name}), per-rank batch {cfg.batch_size}, "
-                          f"global batch {cfg.batch_size * backend.size * self.bpps}, target LR "
-                          f"{scaled_lr(cfg.optim, batch_size=cfg.batch_size * self.bpps, world=backend.size):.4g}, "
-                          f"{self.steps_per_epoch} steps/epoch, {cfg.epochs} epochs, device {device}")
+        prog = self._restore(model, opt, sched)
+        model, opt = self._prepare(model, opt)
+        _log(backend, f"{cfg.stage}: world {backend.size} ({backend.name}), per-rank batch {cfg.batch_size}"
+                      f"{f' x {self.bpps} backward passes' if self.bpps > 1 else ''}, global batch "
+                      f"{self.global_batch}, target LR "
+                      f"{scaled_lr(cfg.optim, batch_size=cfg.batch_size * self.bpps, world=backend.size):.4g}, "
+                      f"{self.steps_per_epoch} steps/epoch, {cfg.epochs} epochs, device {self.device}"
+                      f"{', channels_last' if self.channels_last else ''}{', bf16' if self.bf16 else ''}"
+                      f"{', compiled' if cfg.compile else ''}")
         writer = self._tensorboard()
         stream = data.ShardStream(self.train_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
                                   shuffle=True, shuffle_buffer=cfg.data.shuffle_buffer)
-        while epoch < cfg.epochs and step < self.total_steps:
-            stream.set_epoch(epoch)
-            loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
-                                      pin_memory=device.type == "cuda")
-            model.train()
-            t0, seen, loss_sum, n_loss = time.perf_counter(), 0, torch.zeros((), device=device), 0
-            if skip and meta.get("partial"):      # resumed mid-epoch: the epoch's loss so far
-                loss_sum += meta["partial"]["loss_sum"]
-                n_loss = meta["partial"]["n"]
-            in_epoch = skip
-            bar = tqdm(total=self.steps_per_epoch, initial=in_epoch, disable=not backend.is_root,
-                       desc=f"{cfg.stage} epoch {epoch + 1}/{cfg.epochs}", mininterval=5, file=sys.stderr)
-            batches = iter(loader)
-            for _ in range(skip * self.bpps):       # resume: replay the data order, skip the work
-                next(batches)
-            skip = 0
-            stopped = False
-            while in_epoch < self.steps_per_epoch and step < self.total_steps:
-                torch.manual_seed(_mix(cfg.seed, epoch, in_epoch, backend.rank))
-                gen = torch.Generator(device="cpu").manual_seed(_mix(cfg.seed, epoch, in_epoch, backend.rank, 1))
-                opt.zero_grad()
-                for micro in range(self.bpps):
-                    images, targets, _ = next(batches)
-                    images = images.to(device, non_blocking=True)
-                    targets = targets.to(device, non_blocking=True)
-                    x = data.gpu_augment(images, out_size=cfg.data.crop, train=True, cfg=cfg.data.augment,
-                                         generator=gen)
-                    if device.type == "cuda" and cfg.channels_last:
-                        x = x.contiguous(memory_format=torch.channels_last)
-                    sync = backend.no_sync(model) if micro < self.bpps - 1 else contextlib.nullcontext()
-                    with sync, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                        logits = model(x)
-                        loss = task_loss(self.task, logits, targets) / self.bpps
-                    loss.backward()
-                    loss_sum += loss.detach() * self.bpps
-                    n_loss += 1
-                    seen += images.shape[0]
-                opt.step()
-                sched.step()
-                step += 1
-                in_epoch += 1
-                bar.update(1)
-                if writer is not None and step % 10 == 0:
-                    writer.add_scalar(f"{cfg.stage}/train_loss", float(loss.detach()) * self.bpps, step)
-                    writer.add_scalar(f"{cfg.stage}/lr", sched.get_last_lr()[0], step)
-                bad = int(not bool(torch.isfinite(loss_sum).item()))
-                flags = backend.allreduce_max(torch.tensor([self.signals.received, bad], dtype=torch.int64))
-                sig, bad = int(flags[0].item()), int(flags[1].item())
-                if bad:     # every rank sees the same flag and leaves together (no hang in a collective)
-                    _log(backend, f"non-finite training loss at step {step} (epoch {epoch + 1}): diverged, "
-                                  "no model written")
-                    if backend.is_root:     # what a sweep trial records as its outcome
-                        write_text_atomic(Path(self.paths.out_dir) / "diverged.json",
-                                          json.dumps({"step": step, "epoch": epoch + 1, "stage": cfg.stage}))
-                    bar.close()
-                    return EXIT_DIVERGED
-                periodic = cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0
-                if sig or periodic:
-                    self._save(model, opt, sched, step, epoch, in_epoch, history, best,
-                               partial=(loss_sum, n_loss))
-                if sig:
-                    name = signal.Signals(sig).name
-                    if sig == signal.SIGUSR1:
-                        _log(backend, f"{name} received: checkpoint written at step {step}; continuing")
-                        self.signals.received = 0
-                    else:
-                        _log(backend, f"{name} received: checkpoint written at step {step}; exiting so a "
-                                      "rerun resumes from it")
-                        stopped = True
-                        break
-            bar.close()
-            del batches, loader
-            if stopped:
-                return EXIT_PREEMPTED
-            elapsed = time.perf_counter() - t0
-            train_loss = float(backend.allreduce_mean((loss_sum / max(n_loss, 1)).reshape(1).cpu()).item())
-            per_rank = backend.allgather_object(seen / max(elapsed, 1e-9))
-            val_loss, val_metric, metric_name = self._validate(model, bf16)
-            epoch += 1
-            row = {"epoch": epoch, "step": step, "train_loss": train_loss, "val_loss": val_loss,
+        while prog.epoch < cfg.epochs and prog.step < self.total_steps:
+            code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
+            if code:
+                return code
+            val_loss, val_metric, metric_name = self.validate(model)
+            per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
+            prog.epoch += 1
+            prog.in_epoch = 0
+            row = {"epoch": prog.epoch, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
                    "val_metric": val_metric, "val_metric_name": metric_name, "lr": sched.get_last_lr()[0],
                    "images_per_sec": float(sum(per_rank)), "images_per_sec_per_rank": [float(v) for v in per_rank],
-                   "epoch_time_s": elapsed, "world_size": backend.size}
-            history.append(row)
+                   "epoch_time_s": stats["elapsed"], "world_size": backend.size}
+            prog.history.append(row)
             _log(backend, json.dumps(row))
             if writer is not None:
                 for k in ("train_loss", "val_loss", "val_metric", "images_per_sec"):
-                    writer.add_scalar(f"{cfg.stage}/{k}", row[k], step)
-            if val_metric > best["metric"]:
-                best = {"metric": val_metric, "epoch": epoch}
+                    writer.add_scalar(f"{cfg.stage}/{k}", row[k], prog.step)
+            if val_metric > prog.best["metric"]:
+                prog.best = {"metric": val_metric, "epoch": prog.epoch}
                 if backend.is_root:
-                    ckpt.save_atomic(self._model_file(model, epoch, val_metric, metric_name),
+                    ckpt.save_atomic(self._model_file(model, prog.epoch, val_metric, metric_name),
                                      Path(self.paths.ckpt_dir) / "best.pt")
-            self._save(model, opt, sched, step, epoch, 0, history, best)
-        self._finish(model, history, best)
+            self._save(model, opt, sched, prog)
+        self._finish(model, prog.history, prog.best)
         return 0
+
+    def train_one_epoch(self, model, opt, sched, stream, prog: Progress, writer) -> tuple[int, dict]:
+        """Steps of epoch ``prog.epoch`` from step ``prog.in_epoch`` on. Returns (exit code, stats):
+        0 when the epoch ended, EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
+        cfg, backend, device = self.cfg, self.backend, self.device
+        stream.set_epoch(prog.epoch)
+        loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
+                                  pin_memory=device.type == "cuda")
+        self._train_mode(model)
+        t0, seen = time.perf_counter(), 0
+        loss_sum, n_loss = torch.zeros((), device=device), 0
+        nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        if prog.in_epoch and prog.partial:      # resumed mid-epoch: the epoch's loss so far
+            loss_sum += prog.partial["loss_sum"]
+            n_loss = prog.partial["n"]
+        bar = tqdm(total=self.steps_per_epoch, initial=prog.in_epoch, disable=not backend.is_root,
+                   desc=f"{cfg.stage} epoch {prog.epoch + 1}/{cfg.epochs}", mininterval=5, file=sys.stderr)
+        batches = iter(loader)
+        for _ in range(prog.in_epoch * self.bpps):       # resume: replay the data order, skip the work
+            next(batches)
+        code = 0
+        while prog.in_epoch < self.steps_per_epoch and prog.step < self.total_steps:
+            loss = self.train_step(model, opt, batches, prog)
+            sched.step()
+            loss_sum += loss
+            nonfinite |= ~torch.isfinite(loss)           # stays on the device: no host sync here
+            n_loss += 1
+            seen += cfg.batch_size * self.bpps
+            prog.step += 1
+            prog.in_epoch += 1
+            bar.update(1)
+            periodic = cfg.checkpoint.every_steps > 0 and prog.step % cfg.checkpoint.every_steps == 0
+            last = prog.in_epoch == self.steps_per_epoch or prog.step == self.total_steps
+            if not (periodic or last or prog.step % max(cfg.check_every_steps, 1) == 0):
+                continue
+            sig, bad = self._agree(nonfinite)             # the host sync, every check_every_steps steps
+            if writer is not None:
+                writer.add_scalar(f"{cfg.stage}/train_loss", float(loss), prog.step)
+                writer.add_scalar(f"{cfg.stage}/lr", sched.get_last_lr()[0], prog.step)
+            if bad:     # every rank sees the same flag and leaves together (no hang in a collective)
+                _log(backend, f"non-finite training loss by step {prog.step} (epoch {prog.epoch + 1}): diverged, "
+                              "no model written")
+                if backend.is_root:     # what a sweep trial records as its outcome
+                    write_text_atomic(Path(self.paths.out_dir) / "diverged.json",
+                                      json.dumps({"step": prog.step, "epoch": prog.epoch + 1, "stage": cfg.stage}))
+                code = EXIT_DIVERGED
+                break
+            if sig or periodic:
+                self._save(model, opt, sched, prog, partial=(loss_sum, n_loss))
+            if sig:
+                name = signal.Signals(sig).name
+                if sig == signal.SIGUSR1:
+                    _log(backend, f"{name} received: checkpoint written at step {prog.step}; continuing")
+                    self.signals.received = 0
+                else:
+                    _log(backend, f"{name} received: checkpoint written at step {prog.step}; exiting so a "
+                                  "rerun resumes from it")
+                    code = EXIT_PREEMPTED
+                    break
+        bar.close()
+        del batches, loader
+        if code:
+            return code, {}
+        elapsed = time.perf_counter() - t0
+        train_loss = float(backend.allreduce_mean((loss_sum / max(n_loss, 1)).reshape(1).cpu()).item())
+        return 0, {"train_loss": train_loss, "seen": seen, "elapsed": elapsed}
+
+    def train_step(self, model, opt, batches, prog: Progress) -> torch.Tensor:
+        """One optimizer step (``bpps`` backward passes); returns the detached mean loss on the device."""
+        cfg, backend, device = self.cfg, self.backend, self.device
+        torch.manual_seed(_mix(cfg.seed, prog.epoch, prog.in_epoch, backend.rank))
+        # augmentation draws on the training device: a CPU generator would copy to the GPU every step
+        gen = torch.Generator(device=device).manual_seed(_mix(cfg.seed, prog.epoch, prog.in_epoch, backend.rank, 1))
+        opt.zero_grad()
+        total = torch.zeros((), device=device)
+        for micro in range(self.bpps):
+            images, targets, _ = next(batches)
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            x = data.gpu_augment(images, out_size=cfg.data.crop, train=True, cfg=cfg.data.augment, generator=gen)
+            if self.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            sync = backend.no_sync(model) if micro < self.bpps - 1 else contextlib.nullcontext()
+            with sync, torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                logits = model(x)
+                loss = task_loss(self.task, logits, targets) / self.bpps
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        return total
+
+    def _agree(self, nonfinite: torch.Tensor) -> tuple[int, int]:
+        """(signal, diverged) agreed by all ranks: the maximum over ranks of each."""
+        bad = int(bool(nonfinite.item()))
+        flags = self.backend.allreduce_max(torch.tensor([self.signals.received, bad], dtype=torch.int64))
+        return int(flags[0].item()), int(flags[1].item())
 
     # ------------------------------------------------------------------ pieces
     def _tensorboard(self):
@@ -302,7 +406,8 @@ class Trainer:
             return None
         return SummaryWriter(log_dir=str(self.paths.tensorboard))
 
-    def _validate(self, model, bf16: bool) -> tuple[float, float, str]:
+    def validate(self, model) -> tuple[float, float, str]:
+        """Validation loss and metric (accuracy | mean AUROC) over every rank's share of the split."""
         cfg, backend, device = self.cfg, self.backend, self.device
         stream = data.ShardStream(self.val_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
                                   shuffle=False)
@@ -310,20 +415,24 @@ class Trainer:
                                   pin_memory=device.type == "cuda")
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
         model.eval()
-        scores, targets_all, losses, counts = [], [], 0.0, 0
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        scores, targets_all = [], []
+        loss_sum, count = torch.zeros((), device=device), 0
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             for images, targets, _ in loader:
-                x = data.gpu_augment(images.to(device), out_size=cfg.data.crop, train=False,
+                x = data.gpu_augment(images.to(device, non_blocking=True), out_size=cfg.data.crop, train=False,
                                      cfg=cfg.data.augment, generator=None)
+                if self.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
                 logits = model(x).float()
-                losses += float(task_loss(self.task, logits, targets.to(device))) * images.shape[0]
-                counts += images.shape[0]
-                scores.append(logits.cpu().numpy())
-                targets_all.append(targets.numpy())
+                loss_sum += task_loss(self.task, logits, targets.to(device, non_blocking=True)) * images.shape[0]
+                count += images.shape[0]
+                scores.append(logits)               # stays on the device until the split is done
+                targets_all.append(targets)
         n_classes = len(self.labels)
-        local_scores = np.concatenate(scores) if scores else np.zeros((0, n_classes), np.float32)
-        local_targets = np.concatenate(targets_all) if targets_all else np.zeros((0,) if self.task == "multiclass" else (0, n_classes))
-        tot = backend.allgather_object((losses, counts))
+        local_scores = torch.cat(scores).cpu().numpy() if scores else np.zeros((0, n_classes), np.float32)
+        local_targets = (torch.cat(targets_all).numpy() if targets_all
+                         else np.zeros((0,) if self.task == "multiclass" else (0, n_classes)))
+        tot = backend.allgather_object((float(loss_sum), count))
         val_loss = sum(t[0] for t in tot) / max(sum(t[1] for t in tot), 1)
         s, t = gather_arrays(backend)([local_scores, local_targets])
         if self.task == "multiclass":
@@ -340,7 +449,7 @@ class Trainer:
                 "crop": self.cfg.data.crop, "epoch": epoch, "val_metric": metric, "val_metric_name": metric_name,
                 "config": to_dict(self.cfg)}
 
-    def _save(self, model, opt, sched, step, epoch, in_epoch, history, best, partial=None) -> None:
+    def _save(self, model, opt, sched, prog: Progress, partial=None) -> None:
         # collective first (every rank reaches this point at the same step), then rank 0 writes
         part = None
         if partial is not None:
@@ -351,13 +460,13 @@ class Trainer:
         net = getattr(model, "module", model)
         net = getattr(net, "_orig_mod", net)
         state = {"model": {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()},
-                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "step": step, "epoch": epoch, "step_in_epoch": in_epoch, "history": history, "best": best,
-                 "partial": part,
+                 "optimizer": ckpt.to_cpu(opt.state_dict()), "scheduler": sched.state_dict(),
+                 "step": prog.step, "epoch": prog.epoch, "step_in_epoch": prog.in_epoch,
+                 "history": prog.history, "best": prog.best, "partial": part,
                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()},
                  "world_size": self.backend.size, "config": to_dict(self.cfg), "run_id": self.run_id}
-        path = ckpt.save_checkpoint(self.paths.ckpt_dir, step, state, keep=self.cfg.checkpoint.keep)
-        _log(self.backend, f"checkpoint {path} (step {step})")
+        path = ckpt.save_checkpoint(self.paths.ckpt_dir, prog.step, state, keep=self.cfg.checkpoint.keep)
+        _log(self.backend, f"checkpoint {path} (step {prog.step})")
 
     def _finish(self, model, history, best) -> None:
         if not self.backend.is_root:

@@ -1,0 +1,181 @@
+"""The trainer's GPU-path branches and resume rules, exercised in one CPU process (backend single):
+device placement of a restored optimizer state, channels_last/bf16/compile forced on CPU, LR scaling
+with accumulated backward passes, frozen BatchNorm statistics, host checks every N steps, and a
+resume on another world size. Multi-rank behaviour is in test_distributed.py; CUDA in test_gpu.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chexflow import config as C
+from chexflow.train import checkpoint as ckpt
+from chexflow.train import trainer as T
+from chexflow.train.distributed import Backend
+from chexflow.train.schedule import lr_at
+
+# the meta device stands in for a GPU; loading real tensors into it warns per tensor
+pytestmark = pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter:UserWarning")
+
+
+def cfg_of(**over) -> C.TrainConfig:
+    base = {"stage": "finetune", "dataset": "nih_demo", "backend": "single", "epochs": 2, "batch_size": 8,
+            "seed": 3, "init": "random", "model": {"arch": "resnet18", "in_channels": 1},
+            "data": {"crop": 32, "workers": 0, "shuffle_buffer": 16},
+            "optim": {"name": "sgd", "lr": 0.05, "reference_batch": 16},
+            "schedule": {"warmup_epochs": 0.5, "decay": "cosine"},
+            "checkpoint": {"every_steps": 2, "keep": 5}}
+    for k, v in over.items():
+        base[k] = {**base[k], **v} if isinstance(v, dict) and k in base else v
+    return C.from_dict(C.TrainConfig, base)
+
+
+def trainer(cfg, manifest, tmp_path, device=None, backend=None) -> T.Trainer:
+    paths = T.TrainPaths(manifest=manifest, out_dir=tmp_path / "out", ckpt_dir=tmp_path / "ckpt")
+    return T.Trainer(cfg, paths, backend or Backend(), device=device)
+
+
+def test_restored_optimizer_state_lives_on_the_parameters_device(demo_manifest, tmp_path):
+    """Resume on GPU failed: the state was loaded while the parameters were still on the CPU. The
+    model is now placed first; the 'meta' device stands in for a second device on this machine."""
+    cfg = cfg_of(max_steps=2, epochs=1)
+    assert trainer(cfg, demo_manifest, tmp_path).fit() == 0
+    assert ckpt.list_checkpoints(tmp_path / "ckpt"), "no checkpoint to resume from"
+    t = trainer(cfg, demo_manifest, tmp_path, device=torch.device("meta"))
+    model, opt, sched = t._build()
+    prog = t._restore(model, opt, sched)
+    assert prog.step == 2
+    states = [opt.state[p] for g in opt.param_groups for p in g["params"] if opt.state[p]]
+    assert states, "SGD with momentum must have a state after two steps"
+    for g in opt.param_groups:
+        for p in g["params"]:
+            assert p.device.type == "meta"
+            for v in opt.state[p].values():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    assert v.device == p.device
+
+
+def test_channels_last_bf16_forced_on_cpu_train_and_save_standard_layout(demo_manifest, tmp_path):
+    cfg = cfg_of(max_steps=3, epochs=1, channels_last="always", precision="bf16")
+    t = trainer(cfg, demo_manifest, tmp_path)
+    assert t.channels_last and t.bf16
+    assert t.fit() == 0
+    conv = t.model.layer1[0].conv1.weight          # 64 input channels: the layouts differ
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)["state_dict"]["layer1.0.conv1.weight"]
+    assert saved.is_contiguous(), "model files hold the standard layout"
+    row = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["train_loss"] == row["train_loss"] and row["train_loss"] > 0    # finite
+    # auto keeps CPU runs in the standard format and fp32
+    auto = trainer(cfg_of(), demo_manifest, tmp_path / "auto")
+    assert not auto.channels_last and not auto.bf16
+
+
+def test_lr_scaled_for_accumulated_backward_passes(demo_manifest, tmp_path):
+    """LR follows the global batch batch x passes x ranks (the log printed it, the schedule ignored it)."""
+    one = trainer(cfg_of(), demo_manifest, tmp_path / "a")
+    two = trainer(cfg_of(horovod={"backward_passes_per_step": 2}), demo_manifest, tmp_path / "b")
+    assert two.global_batch == 2 * one.global_batch == 16
+    _, opt, sched = two._build()
+    warm = int(round(0.5 * two.steps_per_epoch))
+    for _ in range(warm):
+        opt.step()
+        sched.step()
+    # 0.05 x (8 x 2 passes x 1 rank) / 16 = 0.05 at the end of warmup (0.025 without the passes)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert opt.param_groups[0]["lr"] == pytest.approx(
+        lr_at(warm, optim=two.cfg.optim, sched=two.cfg.schedule, batch_size=16, world=1,
+              steps_per_epoch=two.steps_per_epoch, epochs=2))
+
+
+def test_frozen_stages_keep_weights_and_batchnorm_statistics(demo_manifest, tmp_path):
+    cfg = cfg_of(max_steps=4, epochs=1, freeze=2)        # conv1, bn1
+    t = trainer(cfg, demo_manifest, tmp_path)
+    torch.manual_seed(cfg.seed)
+    assert t.fit() == 0
+    init = trainer(cfg, demo_manifest, tmp_path / "init")
+    model, _, _ = init._build()
+    trained = t.model
+    assert torch.equal(trained.conv1.weight, model.conv1.weight)
+    assert torch.equal(trained.bn1.running_mean, model.bn1.running_mean)
+    assert torch.equal(trained.bn1.running_var, model.bn1.running_var)
+    assert int(trained.bn1.num_batches_tracked) == 0
+    # unfrozen stages did train and update their statistics
+    assert not torch.equal(trained.layer1[0].bn1.running_mean, model.layer1[0].bn1.running_mean)
+    assert int(trained.layer1[0].bn1.num_batches_tracked) == 4
+
+
+class CountingTrainer(T.Trainer):
+    checks: list[int]
+
+    def _agree(self, nonfinite):
+        self.checks.append(self._step_now)
+        return super()._agree(nonfinite)
+
+    def train_step(self, model, opt, batches, prog):
+        self._step_now = prog.step + 1
+        return super().train_step(model, opt, batches, prog)
+
+
+def test_host_checks_every_n_steps_and_at_checkpoints_and_epoch_end(demo_manifest, tmp_path):
+    cfg = cfg_of(epochs=1, check_every_steps=5, checkpoint={"every_steps": 7, "keep": 5})
+    paths = T.TrainPaths(manifest=demo_manifest, out_dir=tmp_path / "out", ckpt_dir=tmp_path / "ckpt")
+    t = CountingTrainer(cfg, paths, Backend())
+    t.checks = []
+    assert t.fit() == 0
+    n = t.steps_per_epoch
+    expected = sorted({s for s in range(1, n + 1) if s % 5 == 0 or s % 7 == 0} | {n})
+    assert t.checks == expected, f"{n} steps per epoch"
+    assert len(t.checks) < n
+
+
+def test_divergence_detected_at_the_next_check_and_nothing_written(demo_manifest, tmp_path):
+    cfg = cfg_of(epochs=1, check_every_steps=3, optim={"lr": 1e30}, checkpoint={"every_steps": 0, "keep": 5})
+    t = trainer(cfg, demo_manifest, tmp_path)
+    assert t.fit() == T.EXIT_DIVERGED
+    info = json.loads((tmp_path / "out" / "diverged.json").read_text())
+    assert info["step"] % 3 == 0 or info["step"] == t.steps_per_epoch
+    assert not (tmp_path / "out" / "model.pt").exists()
+    assert not ckpt.list_checkpoints(tmp_path / "ckpt"), "no checkpoint of a diverged model"
+
+
+def _written_by_other_world(demo_manifest, tmp_path, world: int):
+    """A real mid-epoch checkpoint of this run (step 3), marked as written by ``world`` ranks."""
+    cfg = cfg_of(max_steps=4, epochs=2, checkpoint={"every_steps": 3, "keep": 5})
+    assert trainer(cfg, demo_manifest, tmp_path).fit() == 0
+    path, newer = ckpt.list_checkpoints(tmp_path / "ckpt")
+    newer.unlink()                              # the end-of-run checkpoint at step 4
+    state = torch.load(path, weights_only=False)
+    state["world_size"] = world
+    torch.save(state, path)
+    return path
+
+
+def test_resume_on_another_world_size_is_refused_by_default(demo_manifest, tmp_path):
+    path = _written_by_other_world(demo_manifest, tmp_path, 4)
+    cfg = cfg_of(max_steps=4, epochs=2, checkpoint={"every_steps": 3, "keep": 5})
+    with pytest.raises(T.ResumeError, match=r"world of 4 ranks, this run has 1") as err:
+        trainer(cfg, demo_manifest, tmp_path).fit()
+    assert str(path) in str(err.value) and "on_world_change: remap" in str(err.value)
+
+
+def test_resume_on_another_world_size_remaps_position_and_lr(demo_manifest, tmp_path):
+    _written_by_other_world(demo_manifest, tmp_path, 2)
+    # checkpoint.* is not part of the run's identity: switching the policy keeps the checkpoint
+    cfg = cfg_of(max_steps=4, epochs=2, checkpoint={"every_steps": 3, "keep": 5, "on_world_change": "remap"})
+    t = trainer(cfg, demo_manifest, tmp_path)
+    model, opt, sched = t._build()
+    prog = t._restore(model, opt, sched)
+    # 3 steps of 8 x 2 ranks = 48 samples -> step 6 of this 1-rank run, LR of step 6 on 1 rank
+    assert (prog.epoch, prog.in_epoch, prog.step) == (0, 6, 6)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(6, **t._schedule_args()))
+
+
+def test_run_id_ignores_how_a_run_is_checkpointed_not_what_it_computes():
+    a = T.run_id(cfg_of(), None)
+    assert T.run_id(cfg_of(checkpoint={"every_steps": 9, "keep": 1, "on_world_change": "remap"},
+                           check_every_steps=1, ddp={"timeout_s": 5}, data={"stage_to": "/tmp/x"}), None) == a
+    assert T.run_id(cfg_of(optim={"lr": 0.5}), None) != a
+    assert T.run_id(cfg_of(data={"crop": 48}), None) != a
