@@ -105,9 +105,9 @@ class Trainer:
             backend.barrier()
             _log(backend, f"staged {len(self.train_shards) + len(self.val_shards)} shards into {local}")
         self.bpps = cfg.horovod.backward_passes_per_step
-        micro = data.steps_per_epoch(self.train_shards, world=backend.size, batch_size=cfg.batch_size,
-                                     seed=cfg.seed, epoch=0, samples_per_epoch=cfg.data.samples_per_epoch)
-        self.steps_per_epoch = max(micro // self.bpps, 1)
+        self.steps_per_epoch = data.epoch_steps(self.train_shards, world=backend.size, batch_size=cfg.batch_size,
+                                                backward_passes=self.bpps,
+                                                samples_per_epoch=cfg.data.samples_per_epoch)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         # a checkpoint is resumed only by the run that wrote it: same settings, same starting weights
         ident = json.dumps(to_dict(cfg), sort_keys=True)
@@ -194,9 +194,11 @@ class Trainer:
                           f"{self.steps_per_epoch} steps/epoch, {cfg.epochs} epochs, device {device}")
         writer = self._tensorboard()
         stream = data.ShardStream(self.train_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
-                                  shuffle=True, shuffle_buffer=cfg.data.shuffle_buffer)
+                                  batch_size=cfg.batch_size, backward_passes=self.bpps,
+                                  samples_per_epoch=cfg.data.samples_per_epoch, shuffle=True,
+                                  shuffle_buffer=cfg.data.shuffle_buffer)
         while epoch < cfg.epochs and step < self.total_steps:
-            stream.set_epoch(epoch)
+            stream.set_epoch(epoch, skip_batches=skip * self.bpps)   # resume: the batches not yet consumed
             loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
                                       pin_memory=device.type == "cuda")
             model.train()
@@ -208,8 +210,6 @@ class Trainer:
             bar = tqdm(total=self.steps_per_epoch, initial=in_epoch, disable=not backend.is_root,
                        desc=f"{cfg.stage} epoch {epoch + 1}/{cfg.epochs}", mininterval=5, file=sys.stderr)
             batches = iter(loader)
-            for _ in range(skip * self.bpps):       # resume: replay the data order, skip the work
-                next(batches)
             skip = 0
             stopped = False
             while in_epoch < self.steps_per_epoch and step < self.total_steps:
@@ -305,7 +305,7 @@ class Trainer:
     def _validate(self, model, bf16: bool) -> tuple[float, float, str]:
         cfg, backend, device = self.cfg, self.backend, self.device
         stream = data.ShardStream(self.val_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
-                                  shuffle=False)
+                                  batch_size=cfg.batch_size, shuffle=False)
         loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
                                   pin_memory=device.type == "cuda")
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
