@@ -114,8 +114,8 @@ def full_path(cfg: C.TrainConfig, manifest: Path, work: Path) -> float:
 
 
 def loader_alone(cfg: C.TrainConfig, manifest: Path, device: torch.device, batches: int) -> float:
-    stream = data.ShardStream(data.split_shards(manifest, "train"), rank=0, world=1, seed=0, shuffle=True,
-                              shuffle_buffer=cfg.data.shuffle_buffer)
+    stream = data.ShardStream(data.split_shards(manifest, "train"), rank=0, world=1, seed=0,
+                              batch_size=cfg.batch_size, shuffle=True, shuffle_buffer=cfg.data.shuffle_buffer)
     loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
                               pin_memory=device.type == "cuda")
     it, n = iter(loader), 0

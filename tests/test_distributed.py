@@ -138,8 +138,9 @@ BACKENDS_RESUME = BACKENDS
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
 @pytest.mark.parametrize("backend", BACKENDS_RESUME)
 def test_kill_and_rerun_equals_uninterrupted(reference_runs, demo_manifest, tmp_path, backend, sig):
-    rng = random.Random(int(time.time()))
-    target = rng.choice([3, 5, 7])
+    seed = int(os.environ.get("CHEXFLOW_KILL_SEED") or time.time_ns() % 2**32)
+    print(f"kill step drawn with seed {seed} (rerun: CHEXFLOW_KILL_SEED={seed})")   # shown on failure
+    target = random.Random(seed).choice([3, 5, 7])
     work = tmp_path / "w"
     work.mkdir()
     proc = start(backend, 2, train_cfg(backend), demo_manifest, work, "first")

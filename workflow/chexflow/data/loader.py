@@ -1,10 +1,13 @@
 """Streaming shards per rank and per worker, without overlap, plus GPU-side augmentation.
 
-Each epoch the shard list is shuffled with ``(seed, epoch)`` (the same on every rank), rank ``r``
-takes shards ``r::world`` and its loader worker ``w`` takes ``w::workers`` of those, so every sample
-is read exactly once per epoch across all ranks and workers. Inside a worker a shuffle buffer
-seeded with ``(seed, epoch, rank, worker)`` mixes samples. Workers only unpack raw uint8 arrays
-(or decode PNG); cropping, flipping and normalising run batched on the training device.
+Each epoch the shard list is shuffled with ``(seed, epoch)`` (the same on every rank) and read as
+one sequence of samples; rank ``r`` takes the ``r``-th of ``world`` equal contiguous slices of it
+(a whole number of optimizer steps, the same in every epoch; the remainder, fewer than one global
+step, waits for another epoch) and its loader workers contiguous runs of whole batches of that
+slice, so every sample is read at most once per epoch and every batch is full. Inside a worker a
+shuffle buffer seeded with ``(seed, epoch, rank, run)`` mixes samples. A resume skips the batches
+already consumed without reading them. Workers only unpack raw uint8 arrays (or decode PNG);
+cropping, flipping and normalising run batched on the training device.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 import torch
@@ -73,32 +76,126 @@ def stage_shards(shards: list[ShardRef], dest: Path, *, copy: bool = True) -> li
     return out
 
 
-def assign_shards(shards: list[ShardRef], *, rank: int, world: int, epoch: int, seed: int,
-                  shuffle: bool, worker: int = 0, workers: int = 1) -> list[ShardRef]:
+def epoch_order(shards: list[ShardRef], *, epoch: int, seed: int, shuffle: bool) -> list[ShardRef]:
+    """The shards of one epoch in reading order: shuffled by ``(seed, epoch)``, the same on every rank."""
     order = np.arange(len(shards))
     if shuffle:
         np.random.default_rng([seed, epoch]).shuffle(order)
-    mine = order[rank::world][worker::max(workers, 1)]
-    return [shards[i] for i in mine]
+    return [shards[i] for i in order]
 
 
-def samples_per_rank(shards: list[ShardRef], *, world: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
-    return [sum(s.count for s in assign_shards(shards, rank=r, world=world, epoch=epoch, seed=seed,
-                                               shuffle=shuffle)) for r in range(world)]
+def epoch_samples(shards: list[ShardRef], samples_per_epoch: int | None = None) -> int:
+    total = sum(s.count for s in shards)
+    return total if samples_per_epoch is None else min(total, samples_per_epoch)
 
 
-def steps_per_epoch(shards: list[ShardRef], *, world: int, batch_size: int, seed: int, epoch: int,
-                    samples_per_epoch: int | None = None) -> int:
-    """Optimizer steps every rank can take this epoch (the same number on every rank)."""
-    counts = samples_per_rank(shards, world=world, epoch=epoch, seed=seed, shuffle=True)
-    per_rank = min(counts)
-    if samples_per_epoch is not None:
-        per_rank = min(per_rank, samples_per_epoch // world)
-    steps = per_rank // batch_size
+def epoch_steps(shards: list[ShardRef], *, world: int, batch_size: int, backward_passes: int = 1,
+                samples_per_epoch: int | None = None) -> int:
+    """Optimizer steps per epoch, the same on every rank and in every epoch: each step takes
+    ``world x batch_size x backward_passes`` samples of the epoch's sequence, the remainder
+    (fewer than one step's worth) is left out of that epoch."""
+    n = epoch_samples(shards, samples_per_epoch)
+    per_step = world * batch_size * backward_passes
+    steps = n // per_step
     if steps == 0:
-        raise ManifestError(f"too little data for one step: {counts} samples per rank, batch {batch_size}, "
-                            f"world {world} (use fewer ranks, a smaller batch or smaller shards)")
+        capped = "" if samples_per_epoch is None else f" (samples_per_epoch {samples_per_epoch})"
+        raise ManifestError(f"too little data for one step: {n} training samples in {len(shards)} shards{capped}, "
+                            f"one step takes {per_step} (world {world} x batch {batch_size} x backward passes "
+                            f"{backward_passes}); use fewer ranks or a smaller batch")
     return steps
+
+
+@dataclass(frozen=True)
+class WorkerRun:
+    """What one loader worker reads in one epoch: samples ``pieces`` (``(path, first, stop)`` of
+    shards, in order, the concatenation being the worker's run) and how many of its output samples
+    (whole batches, already consumed before a resume) it leaves out."""
+    index: int                                  # which run of the rank's epoch (seeds its shuffle)
+    pieces: tuple[tuple[str, int, int], ...]
+    skip: int = 0
+
+    @property
+    def samples(self) -> int:
+        return sum(stop - first for _, first, stop in self.pieces)
+
+
+def _pieces(order: list[ShardRef], lo: int, hi: int) -> tuple[tuple[str, int, int], ...]:
+    """Samples ``[lo, hi)`` of the concatenation of ``order`` as ``(path, first, stop)`` per shard."""
+    out, start = [], 0
+    for s in order:
+        a, b = max(lo, start), min(hi, start + s.count)
+        if a < b:
+            out.append((s.path, a - start, b - start))
+        start += s.count
+        if start >= hi:
+            break
+    return tuple(out)
+
+
+def _split(n: int, parts: int, part: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``part`` when ``n`` items are cut into ``parts`` contiguous runs whose
+    lengths differ by at most one, the longer ones first."""
+    q, r = divmod(n, parts)
+    start = part * q + min(part, r)
+    return start, start + q + (part < r)
+
+
+def plan_epoch(shards: list[ShardRef], *, rank: int, world: int, epoch: int, seed: int, batch_size: int,
+               backward_passes: int = 1, samples_per_epoch: int | None = None, shuffle: bool = True,
+               workers: int = 1, skip_batches: int = 0) -> list[WorkerRun]:
+    """The reads of rank ``rank``'s ``workers`` loader workers (index = worker id) in one epoch.
+
+    Training (``shuffle``): the epoch's sample sequence (:func:`epoch_order`, capped at
+    ``samples_per_epoch``) gives every rank a contiguous slice of ``M = epoch_steps x
+    backward_passes`` full batches; the slice's batches are cut into contiguous runs, one per
+    worker, the longer runs first. The DataLoader takes one batch from each worker in turn, so the
+    rank's ``k``-th batch is batch ``k // workers`` of run ``k % workers``. After ``skip_batches``
+    consumed batches, worker ``w`` reads run ``(w + skip_batches) % workers`` less its batches
+    among those consumed: the turn order then continues exactly where it stopped.
+
+    Evaluation (``not shuffle``): stored order, every sample once, ranks' slices differing by at
+    most one sample, each worker a run of whole batches (only the slice's last may be partial).
+    """
+    workers = max(workers, 1)
+    order = epoch_order(shards, epoch=epoch, seed=seed, shuffle=shuffle)
+    if not shuffle:
+        if skip_batches:
+            raise ValueError("skip_batches is for training streams (shuffle=True)")
+        lo, hi = _split(epoch_samples(shards), world, rank)
+        batches = -(-(hi - lo) // batch_size)
+        runs = []
+        for w in range(workers):
+            a, b = _split(batches, workers, w)
+            runs.append(WorkerRun(w, _pieces(order, lo + a * batch_size, min(lo + b * batch_size, hi))))
+        return runs
+    m = epoch_steps(shards, world=world, batch_size=batch_size, backward_passes=backward_passes,
+                    samples_per_epoch=samples_per_epoch) * backward_passes
+    if not 0 <= skip_batches <= m:
+        raise ValueError(f"skip_batches {skip_batches} outside the epoch's {m} batches")
+    base = rank * m * batch_size
+    runs = []
+    for w in range(workers):
+        run = (w + skip_batches) % workers
+        a, b = _split(m, workers, run)
+        consumed = skip_batches // workers + (run < skip_batches % workers)
+        runs.append(WorkerRun(run, _pieces(order, base + a * batch_size, base + b * batch_size),
+                              skip=consumed * batch_size))
+    return runs
+
+
+def _buffer_order(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """The order in which a shuffle buffer of ``size`` emits ``n`` items read in order 0..n-1:
+    once full, each new item takes the place of a random one, which is emitted; the rest are
+    emitted shuffled at the end. Computed on indices, so a resume can skip items unread."""
+    size = min(size, n)
+    if size <= 1:
+        return np.arange(n)
+    out, buf = np.empty(n, np.int64), np.arange(size)
+    for j, i in enumerate(rng.integers(size, size=n - size)):
+        out[j], buf[i] = buf[i], size + j
+    rng.shuffle(buf)
+    out[n - size:] = buf
+    return out
 
 
 _NPY_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype, int, int]] = {}
@@ -168,13 +265,17 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return out
 
 
-def _iter_tar_files(fh, path: str) -> Iterator[tuple[str, bytes]]:
-    """``(name, bytes)`` of the regular files of an uncompressed tar (ustar, pax, GNU long names),
-    read sequentially with one ``read`` per header and per member: several times faster than
-    ``tarfile``'s streaming mode for shards of many small members. Header checksums are verified."""
+def _tar_members(fh, path: str) -> Iterator[tuple[str, int]]:
+    """``(name, size)`` of the regular files of an uncompressed tar (ustar, pax, GNU long names),
+    read with one ``read`` per header: several times faster than ``tarfile``'s streaming mode for
+    shards of many small members. While the caller holds an item, ``fh`` stands at the start of
+    that member's bytes, which it may read; the next item seeks past them either way, so members
+    the caller does not want cost no I/O. Header checksums are verified."""
+    end = os.fstat(fh.fileno()).st_size
     pending: dict[str, str] = {}
     offset = 0
     while True:
+        fh.seek(offset)
         hdr = fh.read(512)
         if not hdr or hdr == _ZERO_BLOCK:
             return
@@ -194,87 +295,137 @@ def _iter_tar_files(fh, path: str) -> Iterator[tuple[str, bytes]]:
         if "size" in pending:
             size = int(pending["size"])
         padded = size + (-size) % 512
-        data = fh.read(padded)
-        if len(data) < padded:
+        if offset + 512 + padded > end:
             raise ShardReadError(f"{path}: truncated tar member {name!r} at byte {offset}")
         offset += 512 + padded
-        data = data[:size] if padded != size else data
         if kind == b"x":                                    # pax header of the next member
-            pending = _pax_records(data)
+            pending = _pax_records(fh.read(size))
             continue
         if kind == b"g":
             continue
         if kind == b"L":                                    # GNU long name of the next member
-            pending = {**pending, "path": data.rstrip(b"\0").decode("utf-8", "surrogateescape")}
+            pending = {**pending, "path": fh.read(size).rstrip(b"\0").decode("utf-8", "surrogateescape")}
             continue
         name = pending.get("path", name)
         pending = {}
         if kind in (b"0", b"\0", b"7"):
-            yield name, data
+            yield name, size
 
 
-def iter_shard(path: str) -> Iterator[dict]:
+def _sample_key(name: str) -> tuple[str, str] | None:
+    """``(key, extension)`` of a tar member as ``webdataset`` groups them (the file name up to its
+    first dot), or None for members that belong to no sample."""
+    base = name.rsplit("/", 1)[-1]
+    stem, dot, ext = base.partition(".")
+    if base.startswith("__") or not dot:
+        return None
+    return name[:len(name) - len(base)] + stem, ext
+
+
+def iter_shard(path: str, keep: Collection[int] | None = None) -> Iterator[dict]:
     """The samples of one shard: dicts ``{"__key__", "__url__", "<ext>": bytes, ...}`` grouped by
-    key (the file name up to its first dot), as ``webdataset``'s ``group_by_keys`` does.
-    Compressed shards (not written by chexflow) are read through ``webdataset``."""
+    key, as ``webdataset``'s ``group_by_keys`` does. ``keep``: only the samples with these indices
+    (0-based, stored order); the others are passed over unread, and reading stops after the last
+    kept one. Compressed shards (not written by chexflow) are read through ``webdataset``."""
+    keep = None if keep is None else frozenset(keep)
+    last = max(keep, default=-1) if keep is not None else None
     with open(path, "rb") as fh:
         magic = fh.read(6)
         fh.seek(0)
         if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
             files = ({**f, "__url__": path} for f in wds.tariterators.tar_file_iterator(fh))
-            yield from wds.tariterators.group_by_keys(files)
-            return
-        current: dict | None = None
-        for name, data in _iter_tar_files(fh, path):
-            base = name.rsplit("/", 1)[-1]
-            if base.startswith("__"):
-                continue
-            stem, dot, ext = base.partition(".")
-            if not dot:
-                continue
-            key = name[:len(name) - len(base)] + stem
-            if current is None or current["__key__"] != key:
-                if current is not None:
-                    yield current
-                current = {"__key__": key, "__url__": path}
-            if ext in current:
-                raise ShardReadError(f"{path}: duplicate file {name!r} in sample {key!r}")
-            current[ext] = data
-        if current is not None:
-            yield current
+            index = -1
+            for index, sample in enumerate(wds.tariterators.group_by_keys(files)):
+                if last is not None and index > last:
+                    return
+                if keep is None or index in keep:
+                    yield sample
+        else:
+            current, key_now, index = None, None, -1
+            for name, size in _tar_members(fh, path):
+                parsed = _sample_key(name)
+                if parsed is None:
+                    continue
+                key, ext = parsed
+                if key != key_now:
+                    if current is not None:
+                        yield current
+                    current, key_now, index = None, key, index + 1
+                    if last is not None and index > last:
+                        return
+                    if keep is None or index in keep:
+                        current = {"__key__": key, "__url__": path}
+                if current is None:
+                    continue
+                if ext in current:
+                    raise ShardReadError(f"{path}: duplicate file {name!r} in sample {key!r}")
+                current[ext] = fh.read(size)
+            if current is not None:
+                yield current
+    if last is not None and index < last:
+        raise ShardReadError(f"{path}: {index + 1} samples, but sample {last} was asked for "
+                             "(the manifest's count for this shard is wrong)")
+
+
+def _read_run(run: WorkerRun, order: np.ndarray) -> Iterator[dict]:
+    """The raw samples of ``run`` in ``order`` (indices into the run), from ``run.skip`` on. Samples
+    before that are passed over unread; at most the lookahead of ``order`` is held in memory."""
+    wanted = order[run.skip:]
+    need = np.zeros(run.samples, bool)
+    need[wanted] = True
+
+    def read():
+        start = 0
+        for path, first, stop in run.pieces:
+            idx = np.flatnonzero(need[start:start + stop - first])
+            if len(idx):
+                yield from zip((idx + start).tolist(), iter_shard(path, keep=(idx + first).tolist()))
+            start += stop - first
+
+    pending, source = {}, read()
+    for i in wanted.tolist():
+        while i not in pending:
+            j, sample = next(source)
+            pending[j] = sample
+        yield pending.pop(i)
 
 
 class ShardStream(IterableDataset):
-    """Samples ``(uint8 image HxW, target, "patient\\timage")`` of this rank's shards for one epoch."""
+    """Samples ``(uint8 image HxW, target, "patient\\timage")`` of one rank for one epoch.
 
-    def __init__(self, shards: list[ShardRef], *, rank: int, world: int, seed: int, epoch: int = 0,
+    Training (``shuffle=True``): this rank's :func:`plan_epoch` slice, ``epoch_steps x
+    backward_passes`` full batches in every epoch, each loader worker mixing its run in a shuffle
+    buffer seeded with ``(seed, epoch, rank, run)``; ``set_epoch(e, skip_batches=k)`` starts at the
+    rank's ``k``-th batch (resume) without reading the samples of the first ``k``.
+    Evaluation (``shuffle=False``): stored order, every sample of the split once across ranks.
+    """
+
+    def __init__(self, shards: list[ShardRef], *, rank: int, world: int, seed: int, batch_size: int,
+                 backward_passes: int = 1, samples_per_epoch: int | None = None, epoch: int = 0,
                  shuffle: bool = True, shuffle_buffer: int = 1000):
         self.shards, self.rank, self.world, self.seed = shards, rank, world, seed
-        self.epoch, self.shuffle, self.shuffle_buffer = epoch, shuffle, shuffle_buffer
+        self.batch_size, self.backward_passes, self.samples_per_epoch = batch_size, backward_passes, samples_per_epoch
+        self.epoch, self.skip_batches = epoch, 0
+        self.shuffle, self.shuffle_buffer = shuffle, shuffle_buffer
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch, self.skip_batches = epoch, skip_batches
+
+    def plan(self, workers: int = 1) -> list[WorkerRun]:
+        return plan_epoch(self.shards, rank=self.rank, world=self.world, epoch=self.epoch, seed=self.seed,
+                          batch_size=self.batch_size, backward_passes=self.backward_passes,
+                          samples_per_epoch=self.samples_per_epoch, shuffle=self.shuffle, workers=workers,
+                          skip_batches=self.skip_batches)
 
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        mine = assign_shards(self.shards, rank=self.rank, world=self.world, epoch=self.epoch,
-                             seed=self.seed, shuffle=self.shuffle, worker=worker, workers=workers)
-        stream = (_decode(s) for ref in mine for s in iter_shard(ref.path))
-        if not self.shuffle or self.shuffle_buffer <= 1:
-            yield from stream
-            return
-        rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker])
-        buf = []
-        for item in stream:
-            if len(buf) < self.shuffle_buffer:
-                buf.append(item)
-                continue
-            i = int(rng.integers(len(buf)))
-            buf[i], item = item, buf[i]
-            yield item
-        rng.shuffle(buf)
-        yield from buf
+        run = self.plan(workers)[worker]
+        order = np.arange(run.samples)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch, self.rank, run.index])
+            order = _buffer_order(run.samples, self.shuffle_buffer, rng)
+        return (_decode(s) for s in _read_run(run, order))
 
 
 def _collate(batch):
@@ -284,6 +435,10 @@ def _collate(batch):
 
 
 def make_loader(stream: ShardStream, *, batch_size: int, workers: int, pin_memory: bool) -> DataLoader:
+    """Batches in a fixed order: torch's DataLoader asks its workers for batches in turn (skipping
+    exhausted ones) and returns them in the order asked, which :func:`plan_epoch` relies on."""
+    if batch_size != stream.batch_size:
+        raise ValueError(f"loader batch {batch_size} differs from the stream's planned batch {stream.batch_size}")
     return DataLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
                       pin_memory=pin_memory, drop_last=False, persistent_workers=False,
                       prefetch_factor=4 if workers > 0 else None)

@@ -23,7 +23,7 @@ from chexflow.train.models import build_model
 
 
 def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
-    stream = data.ShardStream(shards, rank=0, world=1, seed=0, shuffle=False)
+    stream = data.ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
     loader = data.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
     scores, targets, patients, images = [], [], [], []
     model.eval()

@@ -1,7 +1,8 @@
 """The training loop shared by pretraining and fine-tuning, on any Backend.
 
 Recipe (PRACE guide, Goyal et al.): global batch = per-rank batch x world size, LR scaled
-linearly with gradual warmup, disjoint shards per rank reshuffled per epoch by seed, parameters
+linearly with gradual warmup, disjoint slices of the epoch's shuffled sample sequence per rank
+(every sample once per epoch, the same number of full batches on every rank), parameters
 (and, on resume, optimizer state) broadcast from rank 0, metrics averaged over ranks, only rank 0
 writes. Checkpoints every N steps and on SIGTERM/SIGUSR1 go to a directory that is not a declared
 Snakemake output; the declared outputs (model.pt, metrics.jsonl) appear only when training ends.
@@ -140,9 +141,9 @@ class Trainer:
             backend.barrier()
             _log(backend, f"staged {len(self.train_shards) + len(self.val_shards)} shards into {local}")
         self.bpps = cfg.horovod.backward_passes_per_step
-        micro = data.steps_per_epoch(self.train_shards, world=backend.size, batch_size=cfg.batch_size,
-                                     seed=cfg.seed, epoch=0, samples_per_epoch=cfg.data.samples_per_epoch)
-        self.steps_per_epoch = max(micro // self.bpps, 1)
+        self.steps_per_epoch = data.epoch_steps(self.train_shards, world=backend.size, batch_size=cfg.batch_size,
+                                                backward_passes=self.bpps,
+                                                samples_per_epoch=cfg.data.samples_per_epoch)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.run_id = run_id(cfg, paths.pretrained if cfg.init == "pretrained" else None)
         if cfg.max_steps is not None:
@@ -273,7 +274,9 @@ class Trainer:
                       f"{', compiled' if cfg.compile else ''}")
         writer = self._tensorboard()
         stream = data.ShardStream(self.train_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
-                                  shuffle=True, shuffle_buffer=cfg.data.shuffle_buffer)
+                                  batch_size=cfg.batch_size, backward_passes=self.bpps,
+                                  samples_per_epoch=cfg.data.samples_per_epoch, shuffle=True,
+                                  shuffle_buffer=cfg.data.shuffle_buffer)
         while prog.epoch < cfg.epochs and prog.step < self.total_steps:
             code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
             if code:
@@ -304,7 +307,7 @@ class Trainer:
         """Steps of epoch ``prog.epoch`` from step ``prog.in_epoch`` on. Returns (exit code, stats):
         0 when the epoch ended, EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
         cfg, backend, device = self.cfg, self.backend, self.device
-        stream.set_epoch(prog.epoch)
+        stream.set_epoch(prog.epoch, skip_batches=prog.in_epoch * self.bpps)   # resume: batches not yet used
         loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
                                   pin_memory=device.type == "cuda")
         self._train_mode(model)
@@ -317,8 +320,6 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=prog.in_epoch, disable=not backend.is_root,
                    desc=f"{cfg.stage} epoch {prog.epoch + 1}/{cfg.epochs}", mininterval=5, file=sys.stderr)
         batches = iter(loader)
-        for _ in range(prog.in_epoch * self.bpps):       # resume: replay the data order, skip the work
-            next(batches)
         code = 0
         while prog.in_epoch < self.steps_per_epoch and prog.step < self.total_steps:
             loss = self.train_step(model, opt, batches, prog)
@@ -410,7 +411,7 @@ class Trainer:
         """Validation loss and metric (accuracy | mean AUROC) over every rank's share of the split."""
         cfg, backend, device = self.cfg, self.backend, self.device
         stream = data.ShardStream(self.val_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
-                                  shuffle=False)
+                                  batch_size=cfg.batch_size, shuffle=False)
         loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
                                   pin_memory=device.type == "cuda")
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
