@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
 from chexflow import config as C  # noqa: E402
 from chexflow.data import loader as data  # noqa: E402
+from chexflow.fsutil import write_text_atomic  # noqa: E402
 from chexflow.train import models  # noqa: E402
 from chexflow.train.trainer import TrainPaths, Trainer  # noqa: E402
 from chexflow.train.distributed import backend_for  # noqa: E402
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", default="horovod", choices=["horovod", "single"])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--dir", type=Path, default=None, help="where to write the shards (default: a temp dir)")
+    p.add_argument("--json", type=Path, default=None, help="also write the result to this JSON file")
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if gpu else "cpu")
@@ -165,11 +167,20 @@ def main(argv: list[str] | None = None) -> None:
         load = loader_alone(cfg, manifest, device, args.steps)
         print(f"loader alone   : {load:10.1f} img/s  ({args.workers} workers)", flush=True)
     name = torch.cuda.get_device_name() if gpu else f"CPU ({len(os.sched_getaffinity(0))} cores)"
-    print(json.dumps({"device": name, "arch": args.arch, "crop": args.crop, "batch": args.batch,
-                      "compile": args.compile, "backend": args.backend, "bare_img_s": round(bare, 1),
-                      "full_img_s": round(full, 1), "loader_img_s": round(load, 1),
-                      "full_over_bare": round(full / bare, 3), "loader_over_full": round(load / full, 3)}))
-
+    try:
+        import horovod
+        hvd_version = horovod.__version__
+    except ImportError:
+        hvd_version = None
+    result = {"device": name, "torch": torch.__version__, "horovod": hvd_version, "arch": args.arch,
+              "crop": args.crop, "batch": args.batch, "precision": "bf16" if gpu else "fp32",
+              "channels_last": gpu, "compile": args.compile, "backend": args.backend, "workers": args.workers,
+              "bare_img_s": round(bare, 1), "full_img_s": round(full, 1), "loader_img_s": round(load, 1),
+              "full_over_bare": round(full / bare, 3), "loader_over_full": round(load / full, 3),
+              "targets": {"full_over_bare": 0.95, "loader_over_full": 1.5}}
+    print(json.dumps(result))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(result, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

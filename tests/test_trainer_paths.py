@@ -15,6 +15,7 @@ from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
 from chexflow.train.distributed import Backend
 from chexflow.train.schedule import lr_at
+from conftest import horovod_available
 
 # the meta device stands in for a GPU; loading real tensors into it warns per tensor
 pytestmark = pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter:UserWarning")
@@ -37,6 +38,7 @@ def trainer(cfg, manifest, tmp_path, device=None, backend=None) -> T.Trainer:
     return T.Trainer(cfg, paths, backend or Backend(), device=device)
 
 
+@pytest.mark.slow
 def test_restored_optimizer_state_lives_on_the_parameters_device(demo_manifest, tmp_path):
     """Resume on GPU failed: the state was loaded while the parameters were still on the CPU. The
     model is now placed first; the 'meta' device stands in for a second device on this machine."""
@@ -57,6 +59,7 @@ def test_restored_optimizer_state_lives_on_the_parameters_device(demo_manifest, 
                     assert v.device == p.device
 
 
+@pytest.mark.slow
 def test_channels_last_bf16_forced_on_cpu_train_and_save_standard_layout(demo_manifest, tmp_path):
     cfg = cfg_of(max_steps=3, epochs=1, channels_last="always", precision="bf16")
     t = trainer(cfg, demo_manifest, tmp_path)
@@ -73,6 +76,7 @@ def test_channels_last_bf16_forced_on_cpu_train_and_save_standard_layout(demo_ma
     assert not auto.channels_last and not auto.bf16
 
 
+@pytest.mark.slow
 def test_lr_scaled_for_accumulated_backward_passes(demo_manifest, tmp_path):
     """LR follows the global batch batch x passes x ranks (the log printed it, the schedule ignored it)."""
     one = trainer(cfg_of(), demo_manifest, tmp_path / "a")
@@ -90,6 +94,7 @@ def test_lr_scaled_for_accumulated_backward_passes(demo_manifest, tmp_path):
               steps_per_epoch=two.steps_per_epoch, epochs=2))
 
 
+@pytest.mark.slow
 def test_frozen_stages_keep_weights_and_batchnorm_statistics(demo_manifest, tmp_path):
     cfg = cfg_of(max_steps=4, epochs=1, freeze=2)        # conv1, bn1
     t = trainer(cfg, demo_manifest, tmp_path)
@@ -107,6 +112,15 @@ def test_frozen_stages_keep_weights_and_batchnorm_statistics(demo_manifest, tmp_
     assert int(trained.layer1[0].bn1.num_batches_tracked) == 4
 
 
+@pytest.mark.slow
+def test_compile_forced_on_cpu(demo_manifest, tmp_path):
+    cfg = cfg_of(max_steps=2, epochs=1, compile=True, channels_last="always", precision="bf16")
+    t = trainer(cfg, demo_manifest, tmp_path)
+    assert t.fit() == 0
+    saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)["state_dict"]
+    assert "conv1.weight" in saved and not any(k.startswith("_orig_mod") for k in saved)
+
+
 class CountingTrainer(T.Trainer):
     checks: list[int]
 
@@ -119,6 +133,7 @@ class CountingTrainer(T.Trainer):
         return super().train_step(model, opt, batches, prog)
 
 
+@pytest.mark.slow
 def test_host_checks_every_n_steps_and_at_checkpoints_and_epoch_end(demo_manifest, tmp_path):
     cfg = cfg_of(epochs=1, check_every_steps=5, checkpoint={"every_steps": 7, "keep": 5})
     paths = T.TrainPaths(manifest=demo_manifest, out_dir=tmp_path / "out", ckpt_dir=tmp_path / "ckpt")
@@ -131,6 +146,7 @@ def test_host_checks_every_n_steps_and_at_checkpoints_and_epoch_end(demo_manifes
     assert len(t.checks) < n
 
 
+@pytest.mark.slow
 def test_divergence_detected_at_the_next_check_and_nothing_written(demo_manifest, tmp_path):
     cfg = cfg_of(epochs=1, check_every_steps=3, optim={"lr": 1e30}, checkpoint={"every_steps": 0, "keep": 5})
     t = trainer(cfg, demo_manifest, tmp_path)
@@ -153,6 +169,7 @@ def _written_by_other_world(demo_manifest, tmp_path, world: int):
     return path
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_is_refused_by_default(demo_manifest, tmp_path):
     path = _written_by_other_world(demo_manifest, tmp_path, 4)
     cfg = cfg_of(max_steps=4, epochs=2, checkpoint={"every_steps": 3, "keep": 5})
@@ -161,6 +178,7 @@ def test_resume_on_another_world_size_is_refused_by_default(demo_manifest, tmp_p
     assert str(path) in str(err.value) and "on_world_change: remap" in str(err.value)
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_remaps_position_and_lr(demo_manifest, tmp_path):
     _written_by_other_world(demo_manifest, tmp_path, 2)
     # checkpoint.* is not part of the run's identity: switching the policy keeps the checkpoint
@@ -179,3 +197,22 @@ def test_run_id_ignores_how_a_run_is_checkpointed_not_what_it_computes():
                            check_every_steps=1, ddp={"timeout_s": 5}, data={"stage_to": "/tmp/x"}), None) == a
     assert T.run_id(cfg_of(optim={"lr": 0.5}), None) != a
     assert T.run_id(cfg_of(data={"crop": 48}), None) != a
+
+
+@pytest.mark.skipif(not horovod_available(), reason="horovod not built")
+@pytest.mark.parametrize("fp16", [False, True], ids=["none", "fp16"])
+def test_horovod_gets_dense_gradients_and_gives_back_channels_last(fp16):
+    """horovod#3491: channels_last gradients are not contiguous and Horovod refuses them."""
+    import horovod.torch as hvd
+    from chexflow.train.horovod_backend import dense_layout_compression
+    comp = dense_layout_compression(hvd.Compression.fp16 if fp16 else hvd.Compression.none)
+    grad = torch.randn(8, 16, 3, 3).contiguous(memory_format=torch.channels_last)
+    assert not grad.is_contiguous()
+    sent, ctx = comp.compress(grad)
+    assert sent.is_contiguous() and sent.dtype == (torch.float16 if fp16 else torch.float32)
+    back = comp.decompress(sent, ctx)
+    assert back.is_contiguous(memory_format=torch.channels_last) and back.dtype == torch.float32
+    assert torch.allclose(back, grad, atol=1e-2 if fp16 else 0)
+    flat = torch.randn(10)
+    sent, ctx = comp.compress(flat)
+    assert (sent is flat) != fp16 and comp.decompress(sent, ctx).is_contiguous()

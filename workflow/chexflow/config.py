@@ -82,6 +82,9 @@ class HorovodConfig:
     fp16_compression: bool = False    # hvd.Compression.fp16 for the allreduce
     fusion_threshold_mb: int = 64     # HOROVOD_FUSION_THRESHOLD
     backward_passes_per_step: int = 1  # gradient accumulation inside DistributedOptimizer
+    # reduce and broadcast GPU tensors through host copies: for a Horovod built without GPU
+    # operations, or several ranks sharing one GPU (NCCL refuses that); slower, never the default
+    stage_through_cpu: bool = False
 
 
 @dataclass(frozen=True)

@@ -70,11 +70,12 @@ class Backend:
         pass
 
 
-def init_backend(name: str, *, fusion_threshold_mb: int = 64, process_group: str = "auto",
-                 timeout_s: int = 1800) -> Backend:
+def init_backend(name: str, *, fusion_threshold_mb: int = 64, stage_through_cpu: bool = False,
+                 process_group: str = "auto", timeout_s: int = 1800) -> Backend:
     """Initialise the backend named in the config (``horovod`` | ``ddp`` | ``single``).
 
-    ``fusion_threshold_mb`` is Horovod's; ``process_group`` and ``timeout_s`` are DDP's."""
+    ``fusion_threshold_mb`` and ``stage_through_cpu`` are Horovod's; ``process_group`` and
+    ``timeout_s`` are DDP's."""
     if name == "single":
         world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1)
         if world > 1:
@@ -82,7 +83,7 @@ def init_backend(name: str, *, fusion_threshold_mb: int = 64, process_group: str
         return Backend()
     if name == "horovod":
         from chexflow.train.horovod_backend import HorovodBackend
-        return HorovodBackend(fusion_threshold_mb=fusion_threshold_mb)
+        return HorovodBackend(fusion_threshold_mb=fusion_threshold_mb, stage_through_cpu=stage_through_cpu)
     if name == "ddp":
         from chexflow.train.ddp_backend import DDPBackend
         return DDPBackend(process_group=process_group, timeout_s=timeout_s)
@@ -92,6 +93,7 @@ def init_backend(name: str, *, fusion_threshold_mb: int = 64, process_group: str
 def backend_for(cfg) -> Backend:
     """The backend a TrainConfig asks for, with its Horovod/DDP settings."""
     return init_backend(cfg.backend, fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
+                        stage_through_cpu=cfg.horovod.stage_through_cpu,
                         process_group=cfg.ddp.process_group, timeout_s=cfg.ddp.timeout_s)
 
 

@@ -11,27 +11,36 @@ from chexflow.train.checkpoint import to_cpu
 from chexflow.train.distributed import Backend, DistributedError, expected_world_size
 
 
-def dense_layout_compression(inner):
+def dense_layout_compression(inner, *, stage_through_cpu: bool = False):
     """A Horovod compressor that hands the allreduce a contiguous copy of a gradient that is not
     contiguous (a channels_last conv weight's gradient; Horovod refuses those, horovod#3491) and
     gives the result back in the parameter's memory format. ``inner`` (none / fp16) runs on the
-    contiguous copy. Contiguous gradients pass through without a copy."""
+    contiguous copy. Contiguous gradients pass through without a copy.
+
+    ``stage_through_cpu``: GPU gradients are reduced through host copies (a Horovod built without
+    GPU operations, or several ranks sharing one GPU, which NCCL refuses)."""
 
     class DenseLayout(inner):
         @staticmethod
         def compress(tensor):
-            layout = None
+            layout, device = None, None
             if not tensor.is_contiguous():
                 layout = torch.channels_last if tensor.dim() == 4 and tensor.is_contiguous(
                     memory_format=torch.channels_last) else "strided"
+            if stage_through_cpu and tensor.device.type != "cpu":
+                device = tensor.device
+                tensor = tensor.to("cpu", memory_format=torch.contiguous_format)
+            elif layout is not None:
                 tensor = tensor.contiguous()
             compressed, ctx = inner.compress(tensor)
-            return compressed, (ctx, layout)
+            return compressed, (ctx, layout, device)
 
         @staticmethod
         def decompress(tensor, ctx):
-            inner_ctx, layout = ctx
+            inner_ctx, layout, device = ctx
             out = inner.decompress(tensor, inner_ctx)
+            if device is not None:
+                out = out.to(device)
             if layout is torch.channels_last:
                 out = out.contiguous(memory_format=torch.channels_last)
             return out
@@ -42,7 +51,8 @@ def dense_layout_compression(inner):
 class HorovodBackend(Backend):
     name = "horovod"
 
-    def __init__(self, *, fusion_threshold_mb: int = 64) -> None:
+    def __init__(self, *, fusion_threshold_mb: int = 64, stage_through_cpu: bool = False) -> None:
+        self.stage_through_cpu = stage_through_cpu
         os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", str(fusion_threshold_mb * 1024 * 1024))
         if not torch.cuda.is_available():
             # CPU ranks share cores with Horovod's background thread; its default 1 ms cycle
@@ -68,13 +78,23 @@ class HorovodBackend(Backend):
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
 
+    def _broadcast_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if not self.stage_through_cpu:
+            self.hvd.broadcast_parameters(tensors, root_rank=0)
+            return
+        host = {name: t.detach().to("cpu", memory_format=torch.contiguous_format) for name, t in tensors.items()}
+        self.hvd.broadcast_parameters(host, root_rank=0)
+        with torch.no_grad():
+            for name, t in tensors.items():
+                t.copy_(host[name])
+
     def broadcast_model(self, model: torch.nn.Module) -> None:
-        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self._broadcast_tensors(model.state_dict())
 
     def broadcast_buffers(self, model: torch.nn.Module) -> None:
         buffers = {name: buf for name, buf in model.named_buffers() if buf.is_floating_point()}
         if buffers:
-            self.hvd.broadcast_parameters(buffers, root_rank=0)
+            self._broadcast_tensors(buffers)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         # Not hvd.broadcast_optimizer_state: on ranks with an empty state it first takes an
@@ -90,11 +110,14 @@ class HorovodBackend(Backend):
     def broadcast_object(self, obj: Any) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=0, name="chexflow.object")
 
+    def _host(self, value: torch.Tensor) -> torch.Tensor:
+        return value.cpu() if self.stage_through_cpu else value
+
     def allreduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        return self.hvd.allreduce(value, op=self.hvd.Average)
+        return self.hvd.allreduce(self._host(value), op=self.hvd.Average).to(value.device)
 
     def allreduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        return self.hvd.allreduce(value, op=self.hvd.Max)
+        return self.hvd.allreduce(self._host(value), op=self.hvd.Max).to(value.device)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.hvd.allgather_object(obj)
@@ -104,7 +127,8 @@ class HorovodBackend(Backend):
 
     def wrap(self, model, optimizer, *, fp16_compression: bool, backward_passes_per_step: int):
         compression = dense_layout_compression(
-            self.hvd.Compression.fp16 if fp16_compression else self.hvd.Compression.none)
+            self.hvd.Compression.fp16 if fp16_compression else self.hvd.Compression.none,
+            stage_through_cpu=self.stage_through_cpu)
         wrapped = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression,
             backward_passes_per_step=backward_passes_per_step, op=self.hvd.Average)

@@ -84,13 +84,14 @@ def run(cfg: TrainConfig, paths: TrainPaths) -> None:
 def run_id(cfg: TrainConfig, pretrained: Path | None) -> str:
     """The identity of a run: a checkpoint is resumed only by the run that wrote it (same settings
     that shape the result, same starting weights). How it is checkpointed, checked and
-    communicated (checkpoint.*, check_every_steps, ddp.*, fusion threshold, staging) can change
-    between attempts without starting afresh."""
+    communicated (checkpoint.*, check_every_steps, ddp.*, fusion threshold, staging) and where it
+    stops (max_steps) can change between attempts without starting afresh."""
     ident = to_dict(cfg)
-    for key in ("checkpoint", "check_every_steps", "ddp"):
+    for key in ("checkpoint", "check_every_steps", "ddp", "max_steps"):
         ident.pop(key)
     ident["data"].pop("stage_to")
     ident["horovod"].pop("fusion_threshold_mb")
+    ident["horovod"].pop("stage_through_cpu")
     text = json.dumps(ident, sort_keys=True) + (sha256_file(pretrained) if pretrained is not None else "")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

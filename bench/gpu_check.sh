@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU path on one GPU machine: what the CPU test suite cannot show.
+#
+#   bash bench/gpu_check.sh            # from the repository root, with a CUDA build of torch
+#
+# 1. builds Horovod for this torch (NCCL ops when the NCCL of torch's wheels is there; falls back
+#    to a build without GPU ops, which the staged allreduce still serves);
+# 2. runs the GPU test module (pytest -m gpu tests/test_gpu.py): a CUDA run with channels_last and
+#    bf16 that resumes with its optimizer state on the GPU, torch.compile on CUDA, two ranks sharing
+#    the GPU per backend (Horovod staged through host memory, DDP over gloo) with a kill -9 of one
+#    rank and a resume, and one rank through DDP's cpu:gloo,cuda:nccl group;
+# 3. runs the demo chain with CUDA (profiles/default + bench/gpu_check.yaml, in a scratch dir);
+# 4. runs the throughput benchmark (bench/train_throughput.py: bare torchvision loop vs chexflow's
+#    full path vs the loader alone, same process) for ResNet-50 and DenseNet-121 at 224 px, bf16,
+#    batch 256.
+# Results: bench/results/gpu_check-<stamp>.json (device, versions, each step's outcome and the
+# throughput figures) plus the logs next to it. Exit status 0 only if every step passed.
+#
+# Offline machines: install the packages of envs/requirements.txt first (e.g. pip install
+# --no-index --find-links WHEELS ...; keep the machine's own CUDA torch). FASHION_MNIST=<dir with the
+# four Fashion-MNIST .gz files> when /usr/share/datasets/fashion-mnist is absent.
+# CHEXFLOW_GPU_CHECK_STEPS="tests demo bench" selects steps; BENCH_ARCHS="resnet50 densenet121".
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+RES=${CHEXFLOW_GPU_RESULTS:-bench/results}
+STEPS=${CHEXFLOW_GPU_CHECK_STEPS:-"tests demo bench"}
+ARCHS=${BENCH_ARCHS:-"resnet50 densenet121"}
+WORKERS=${BENCH_WORKERS:-$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))}
+mkdir -p "$RES"
+stamp=$(date +%Y%m%d-%H%M%S)
+say() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+export PYTHONPATH="$PWD/workflow${PYTHONPATH:+:$PYTHONPATH}"
+
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" \
+  || { say "no CUDA device visible to $PY: nothing to check"; exit 2; }
+declare -A status
+
+say "chexflow (editable, no dependency changes) and Horovod"
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install-$stamp.log" 2>&1 || true
+if "$PY" -m chexflow.install.horovod >>"$RES/install-$stamp.log" 2>&1; then
+  status[horovod_build]=nccl
+elif "$PY" -m chexflow.install.horovod --with-nccl no >>"$RES/install-$stamp.log" 2>&1; then
+  status[horovod_build]=no-gpu-ops
+else
+  status[horovod_build]=failed
+fi
+say "horovod build: ${status[horovod_build]} (log $RES/install-$stamp.log)"
+
+if [[ " $STEPS " == *" tests "* ]]; then
+  say "GPU tests"
+  "$PY" -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --junitxml "$RES/gpu_tests-$stamp.xml" \
+    >"$RES/gpu_tests-$stamp.log" 2>&1 && status[tests]=passed || status[tests]=failed
+  say "GPU tests: ${status[tests]} ($(tail -1 "$RES/gpu_tests-$stamp.log"))"
+fi
+
+if [[ " $STEPS " == *" demo "* ]]; then
+  say "demo chain with CUDA"
+  scratch=$(mktemp -d)
+  overlays=("$PWD/config.yaml" "$PWD/bench/gpu_check.yaml")
+  if [ -n "${FASHION_MNIST:-}" ]; then
+    printf 'datasets:\n  fashion_mnist:\n    mirror: "%s"\n' "$FASHION_MNIST" >"$scratch/fashion_mnist.yaml"
+    overlays+=("$scratch/fashion_mnist.yaml")
+  fi
+  start=$(date +%s)
+  if "$PY" -m snakemake -s "$PWD/Snakefile" -d "$scratch" --profile profiles/default --cores all \
+       --configfile "${overlays[@]}" >"$RES/demo-$stamp.log" 2>&1; then
+    status[demo]=passed
+    cp "$scratch/results/evaluate/metrics.json" "$RES/demo_metrics-$stamp.json" 2>/dev/null || true
+    grep -h "device cuda" "$scratch"/logs/*/*.log >>"$RES/demo-$stamp.log" 2>/dev/null || true
+  else
+    status[demo]=failed
+  fi
+  status[demo_s]=$(( $(date +%s) - start ))
+  say "demo: ${status[demo]} in ${status[demo_s]} s (log $RES/demo-$stamp.log, work dir $scratch)"
+fi
+
+if [[ " $STEPS " == *" bench "* ]]; then
+  for arch in $ARCHS; do
+    say "throughput $arch (224 px, bf16, batch 256, $WORKERS loader workers)"
+    backend=horovod
+    [ "${status[horovod_build]}" = failed ] && backend=single
+    if "$PY" bench/train_throughput.py --arch "$arch" --crop 224 --stored 256 --batch 256 --workers "$WORKERS" \
+         --backend "$backend" --json "$RES/throughput-$arch-$stamp.json" >"$RES/throughput-$arch-$stamp.log" 2>&1; then
+      status[bench_$arch]=done
+    else
+      status[bench_$arch]=failed
+    fi
+    say "$arch: ${status[bench_$arch]} ($(tail -1 "$RES/throughput-$arch-$stamp.log"))"
+  done
+fi
+
+summary="$RES/gpu_check-$stamp.json"
+statuses=$(for k in "${!status[@]}"; do printf '%s=%s\n' "$k" "${status[$k]}"; done)
+STATUSES="$statuses" RES="$RES" STAMP="$stamp" "$PY" - "$summary" <<'PYEOF'
+import glob, json, os, sys
+import torch
+try:
+    import horovod
+    hvd = horovod.__version__
+except Exception:  # noqa: BLE001
+    hvd = None
+steps = dict(line.split("=", 1) for line in os.environ["STATUSES"].splitlines() if "=" in line)
+bench = [json.load(open(p)) for p in sorted(glob.glob(f"{os.environ['RES']}/throughput-*-{os.environ['STAMP']}.json"))]
+out = {"stamp": os.environ["STAMP"], "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+       "cuda": torch.version.cuda, "horovod": hvd, "cpu_cores": len(os.sched_getaffinity(0)), "steps": steps,
+       "throughput": bench}
+tmp = sys.argv[1] + ".tmp"
+with open(tmp, "w") as fh:
+    json.dump(out, fh, indent=1)
+os.replace(tmp, sys.argv[1])
+print(json.dumps(out, indent=1))
+PYEOF
+say "summary: $summary"
+for k in "${!status[@]}"; do
+  case "${status[$k]}" in failed) exit 1 ;; esac
+done
+exit 0
