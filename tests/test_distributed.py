@@ -35,6 +35,7 @@ def train_cfg(backend: str, **over) -> dict:
            "seed": 5, "init": "random", "model": {"arch": "resnet18", "in_channels": 1},
            "channels_last": "always", "check_every_steps": 2,
            "ddp": {"process_group": "cpu:gloo,cuda:gloo", "timeout_s": 300},
+           "horovod": {"stage_through_cpu": backend == "horovod"},
            "data": {"crop": 32, "workers": 0, "shuffle_buffer": 16},
            "optim": {"name": "sgd", "lr": 0.05, "reference_batch": 16},
            "schedule": {"warmup_epochs": 0.5, "decay": "cosine"},

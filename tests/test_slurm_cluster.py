@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# starting the local cluster takes ~40 s: the whole module is in the slow tier
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SH = REPO / "tests" / "slurm_cluster" / "cluster.sh"
 PROFILE = REPO / "profiles" / "slurm"
