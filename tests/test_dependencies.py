@@ -8,8 +8,8 @@ Where each fact lives:
                           (Snakemake) and ``test``;
   envs/requirements.txt   the exact pins of the workstation/CI install, and ``-e .[<every group>]``;
   envs/{data,train,report}.yaml
-                          a rule family's conda env: ``-e ..[<its group>]``, and for the pinned
-                          packages it needs outside pyproject.toml (torch) the pin of
+                          a rule family's conda env: ``-e ..[<its group>]``, torch and
+                          torchvision where it needs them, and every pin as in
                           envs/requirements.txt.
 torch and torchvision are deliberately not in pyproject.toml: envs/setup.sh installs the pinned
 build from envs/requirements.txt, or keeps a cluster's own CUDA build (CHEXFLOW_SKIP_TORCH=1).
