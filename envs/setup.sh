@@ -3,9 +3,10 @@
 #   system packages (Debian/Ubuntu, when run as root): Fashion-MNIST data package, OpenMPI
 #   (Horovod's MPI ops for `srun --mpi=pmix`), and with --test: Chromium (report rendering
 #   test) and procps; the local SLURM test cluster installs its own packages;
-#   .venv with the pinned Python packages (envs/requirements.txt), chexflow itself (editable),
-#   and Horovod 0.28.1 built against the installed torch (python -m chexflow.install.horovod,
-#   cached wheel under ~/.cache/chexflow/wheels).
+#   .venv with envs/requirements.txt: the pinned packages and chexflow itself (editable) with every
+#   group of pyproject.toml (the one list of what chexflow needs), and Horovod 0.28.1 built against
+#   the installed torch (python -m chexflow.install.horovod, cached wheel under
+#   ~/.cache/chexflow/wheels).
 #
 # Usage: bash envs/setup.sh [--test]
 # Cluster users: load your site's compilers/CUDA/MPI modules first; set CHEXFLOW_SKIP_TORCH=1 to
@@ -45,15 +46,15 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
   "$PY" -m venv .venv
 fi
-say "installing Python packages (envs/requirements.txt)"
+say "installing Python packages and chexflow (envs/requirements.txt)"
 .venv/bin/pip install -q --upgrade pip wheel setuptools
 if [ "${CHEXFLOW_SKIP_TORCH:-0}" = 1 ]; then
+  # (its `-e .[...]` line is relative to this directory, the checkout, not to the file)
   grep -vE '^(torch|torchvision)==' envs/requirements.txt > .venv/requirements-notorch.txt
   .venv/bin/pip install -q -r .venv/requirements-notorch.txt
 else
   .venv/bin/pip install -q -r envs/requirements.txt
 fi
-.venv/bin/pip install -q --no-deps -e .
 
 say "Horovod (built once against this torch, then taken from the wheel cache)"
 .venv/bin/python -m chexflow.install.horovod

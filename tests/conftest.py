@@ -31,6 +31,11 @@ requires_horovod = pytest.mark.skipif(not horovod_available(),
                                       reason="horovod not built here (python -m chexflow.install.horovod)")
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step in a checkpoint's file name, ``step-<step>-<run id>.pt`` (chexflow.train.checkpoint)."""
+    return int(Path(path).name.split("-")[1])
+
+
 def cli_env() -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from chexflow.train import checkpoint as ckpt
-from conftest import REPO, cli_env, horovod_available
+from conftest import REPO, checkpoint_step, cli_env, horovod_available
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def rank_pid(work: Path, rank: int) -> int:
 
 def _ckpt_steps(work: Path) -> list[int]:
     d = work / "ckpt"
-    return sorted(ckpt.step_of(p) for p in ckpt.list_checkpoints(d))
+    return sorted(checkpoint_step(p) for p in ckpt.list_checkpoints(d))
 
 
 BACKENDS_RESUME = BACKENDS

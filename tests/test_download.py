@@ -319,7 +319,7 @@ def test_fetch_source_file_with_checksums_file_over_http(www, tmp_path):
     src = S.get_source("nih_demo", n_archives=2)
     out = tmp_path / "raw" / "nih_demo"
     with FileServer(www) as srv:
-        results = D.fetch_all(src, out, srv.base_url + "/", **FAST)
+        results = [D.fetch_source_file(src, name, out, srv.base_url + "/", **FAST) for name in S.file_names(src)]
         assert [r.path.name for r in results] == S.file_names(src)
         assert all(not r.recorded for r in results)
         assert all((out / k).read_bytes() == v for k, v in files.items())

@@ -202,50 +202,6 @@ def test_operating_point_values_and_undefined_ppv():
         M.youden_threshold(np.zeros(4), np.arange(4.0))
 
 
-# --------------------------------------------------------------------------- meter
-def _batches(seed: int, n_batches: int):
-    rng = np.random.default_rng(seed)
-    for _ in range(n_batches):
-        y = (rng.random((16, 3)) < 0.4).astype(np.float32)
-        y[rng.random(y.shape) < 0.1] = np.nan
-        yield y + rng.normal(size=y.shape), y
-
-
-def test_meter_fake_gather_equals_single_process():
-    single = M.AUROCMeter(LABELS3)
-    rank0, rank1 = M.AUROCMeter(LABELS3), M.AUROCMeter(LABELS3)
-    for i, (s, y) in enumerate(_batches(0, 10)):
-        single.update(s, y)
-        (rank0 if i % 2 == 0 else rank1).update(s, y, groups=[f"p{i}"] * len(y))
-    other = rank1.local_arrays()[:2]
-
-    def fake_gather(local):  # what an allgather would return on rank 0
-        return [np.concatenate([mine, theirs]) for mine, theirs in zip(local, other)]
-
-    got = rank0.compute(gather=fake_gather)
-    want = single.compute()
-    assert got["n_images"] == want["n_images"] == 160
-    assert got["mean_auroc"] == pytest.approx(want["mean_auroc"], abs=1e-12)
-    for lab in LABELS3:
-        assert got["per_label"][lab] == pytest.approx(want["per_label"][lab], abs=1e-12)
-    assert rank0.compute()["n_images"] == 80  # without gather: local only
-    assert rank0.local_arrays()[2].shape == (80,)
-
-
-def test_meter_accepts_torch_tensors_and_reset():
-    torch = pytest.importorskip("torch")
-    meter = M.AUROCMeter(LABELS3)
-    ref = M.AUROCMeter(LABELS3)
-    for s, y in _batches(1, 3):
-        meter.update(torch.tensor(s, dtype=torch.float32, requires_grad=True), torch.from_numpy(y))
-        ref.update(s.astype(np.float32), y)
-    assert meter.compute() == ref.compute()
-    meter.reset()
-    assert len(meter) == 0
-    with pytest.raises(ValueError, match="must both be"):
-        meter.update(np.zeros((4, 2)), np.zeros((4, 2)))
-
-
 def test_top1_accuracy():
     logits = np.array([[0.1, 0.9, 0.0], [2.0, 1.0, 0.0], [0.0, 0.1, 0.2], [1.0, 0.0, 3.0]])
     assert M.top1_accuracy(logits, np.array([1, 0, 2, 0])) == 0.75

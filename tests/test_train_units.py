@@ -9,6 +9,7 @@ from chexflow.train import checkpoint as ckpt
 from chexflow.train.losses import masked_bce
 from chexflow.train.models import build_model, load_backbone
 from chexflow.train.schedule import lr_at, make_scheduler, scaled_lr, set_scheduler_step
+from conftest import checkpoint_step
 
 
 def test_masked_bce_ignores_nan_labels():
@@ -97,7 +98,7 @@ def test_checkpoint_pruning_keeps_each_runs_own(tmp_path):
     ckpt.save_checkpoint(tmp_path, 15, _state(15, "new"), keep=2)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path, run_id="new")] == \
         ["step-000000010-new.pt", "step-000000015-new.pt"]
-    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(tmp_path, run_id="old")] == [200, 300]
+    assert [checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path, run_id="old")] == [200, 300]
     path, state = ckpt.load_newest_valid(tmp_path, run_id="new", log=lambda m: None)
     assert state["step"] == 15 and state["run_id"] == "new"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
+
+from chexflow.fsutil import write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -303,13 +304,9 @@ def load_stage_config(cls: type[T], *, path: Path | None = None, text: str | Non
 
 
 def write_yaml_atomic(obj: Any, path: Path) -> None:
-    """Write ``obj`` (dataclass or mapping) as YAML via a temp file and rename."""
+    """Write ``obj`` (dataclass or mapping) as YAML, atomically."""
     data = to_dict(obj) if dataclasses.is_dataclass(obj) else obj
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    os.replace(tmp, path)
+    write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
 # --------------------------------------------------------------------------- JSON schema of config.yaml

@@ -1,4 +1,9 @@
-"""Atomic file writing: a half-written output never carries its final name."""
+"""Atomic file writing (a half-written output never carries its final name) and file checksums.
+
+The one place that knows how chexflow writes a file: every writer in the package goes through
+:func:`atomic_path` (or the two helpers built on it) and every file checksum through
+:func:`sha256_file`.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -8,23 +13,44 @@ from pathlib import Path
 from typing import Iterator
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_path(path: Path | str) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it to ``path`` only if the block succeeds."""
+def atomic_path(path: Path | str, *, fsync: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it to ``path`` only if the block succeeds.
+
+    ``fsync=True`` also flushes the file and then its directory entry to disk, so that a crash of
+    the machine (not only of the process) leaves either the old file or the whole new one
+    (checkpoints).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
+        if fsync:
+            _fsync(tmp)
         os.replace(tmp, path)
+        if fsync:
+            _fsync(path.parent)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: Path | str, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def write_bytes_atomic(path: Path | str, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:

@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 import requests
 import urllib3
@@ -29,7 +29,7 @@ from chexflow.data.sources import FASHION_MNIST_GZIP_MTIME, Source, join_base, r
 from chexflow.fsutil import write_text_atomic
 
 __all__ = ["DownloadError", "NotFoundError", "ChecksumMismatch", "TruncatedDownload", "InsufficientSpace",
-           "FetchResult", "fetch", "load_checksums", "parse_checksums", "fetch_source_file", "fetch_all",
+           "FetchResult", "fetch", "load_checksums", "parse_checksums", "fetch_source_file",
            "checksum_sidecar", "restore_debian_gzip"]
 
 
@@ -500,10 +500,3 @@ def fetch_source_file(source: Source, name: str, dest_dir: Path | str, mirror: s
             raise DownloadError(f"{sums_url} lists no sha256 for {rf.name} (it lists {len(sums)} files)")
         sha256 = sums[rf.name]
     return fetch(url, Path(dest_dir) / rf.name, md5=md5, sha256=sha256, size=rf.size, **kw)
-
-
-def fetch_all(source: Source, dest_dir: Path | str, mirror: str | None,
-              names: Iterable[str] | None = None, **kw) -> list[FetchResult]:
-    """``fetch_source_file`` for every file of ``source`` (or those in ``names``)."""
-    wanted = list(names) if names is not None else [f.name for f in source.files]
-    return [fetch_source_file(source, n, dest_dir, mirror, **kw) for n in wanted]

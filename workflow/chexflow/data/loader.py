@@ -27,6 +27,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from chexflow.config import AugmentConfig
+from chexflow.fsutil import atomic_path
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,8 @@ def stage_shards(shards: list[ShardRef], dest: Path, *, copy: bool = True) -> li
         src = Path(s.path)
         target = dest / f"{hashlib.sha1(str(src.parent).encode()).hexdigest()[:10]}-{src.name}"
         if copy and not (target.exists() and target.stat().st_size == src.stat().st_size):
-            tmp = target.with_name(target.name + ".part")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, target)
+            with atomic_path(target) as tmp:
+                shutil.copyfile(src, tmp)
         out.append(ShardRef(str(target), s.count))
     return out
 

@@ -11,7 +11,7 @@ AUROC is invariant to monotone transforms).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,6 @@ __all__ = [
     "bootstrap_auroc",
     "youden_threshold",
     "operating_point",
-    "AUROCMeter",
     "top1_accuracy",
     "to_numpy",
 ]
@@ -239,67 +238,6 @@ def operating_point(y_true: np.ndarray, y_score: np.ndarray, threshold: float) -
         "f1": ratio(2 * tp, 2 * tp + fp + fn),
         "tp": tp, "fp": fp, "tn": tn, "fn": fn,
     }
-
-
-# --------------------------------------------------------------------------- accumulation
-Gather = Callable[[list[np.ndarray]], list[np.ndarray]]
-
-
-class AUROCMeter:
-    """Accumulates per-batch scores/targets (numpy or torch) and computes per-label AUROC.
-
-    ``compute(gather)``: ``gather`` is an optional callable supplied by the distributed
-    backend, taking the list ``[scores[n_local, L], targets[n_local, L]]`` of this rank's
-    concatenated arrays and returning the same list concatenated over all ranks (e.g. a
-    Horovod ``allgather`` per array). Without it the local arrays are used. Patient ids
-    passed to ``update`` stay local (see ``local_arrays``); they are not needed for AUROC.
-    """
-
-    def __init__(self, labels: Sequence[str]):
-        self.labels = list(labels)
-        self.reset()
-
-    def reset(self) -> None:
-        self._scores: list[np.ndarray] = []
-        self._targets: list[np.ndarray] = []
-        self._groups: list[np.ndarray] = []
-
-    def __len__(self) -> int:
-        return int(sum(a.shape[0] for a in self._scores))
-
-    def update(self, scores: Any, targets: Any, groups: Sequence[Any] | None = None) -> None:
-        s = np.asarray(to_numpy(scores), dtype=np.float64)
-        t = np.asarray(to_numpy(targets), dtype=np.float64)
-        if s.ndim == 1:
-            s = s[:, None]
-        if t.ndim == 1:
-            t = t[:, None]
-        if s.shape != t.shape or s.shape[1] != len(self.labels):
-            raise ValueError(f"AUROCMeter.update: scores {s.shape} and targets {t.shape} must both be "
-                             f"[batch, {len(self.labels)}]")
-        self._scores.append(s)
-        self._targets.append(t)
-        if groups is not None:
-            g = np.asarray(groups)
-            if g.shape[0] != s.shape[0]:
-                raise ValueError(f"AUROCMeter.update: {g.shape[0]} groups for a batch of {s.shape[0]}")
-            self._groups.append(g)
-
-    def local_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(scores, targets, groups or None) accumulated on this process."""
-        n_labels = len(self.labels)
-        scores = np.concatenate(self._scores) if self._scores else np.empty((0, n_labels))
-        targets = np.concatenate(self._targets) if self._targets else np.empty((0, n_labels))
-        groups = np.concatenate(self._groups) if self._groups and len(self._groups) == len(self._scores) else None
-        return scores, targets, groups
-
-    def compute(self, gather: Gather | None = None) -> dict[str, Any]:
-        """``{"per_label": {L: auroc|None}, "mean_auroc": float, "n_images": int}``."""
-        scores, targets, _ = self.local_arrays()
-        if gather is not None:
-            scores, targets = (np.asarray(a, dtype=np.float64) for a in gather([scores, targets]))
-        per_label = auroc_per_label(targets, scores, self.labels)
-        return {"per_label": per_label, "mean_auroc": mean_auroc(per_label), "n_images": int(scores.shape[0])}
 
 
 def top1_accuracy(logits: Any, targets: Any) -> float:

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-from chexflow.fsutil import atomic_path
+from chexflow.fsutil import atomic_path, write_text_atomic
 
 HOROVOD_VERSION = "0.28.1"
 SAY_PREFIX = "horovod-install:"
@@ -350,8 +350,7 @@ def patch_source_tree(root: Path, cxx_std: int) -> list[str]:
         old = path.read_text()
         new = patch_file_text(rel, old, cxx_std)
         if new != old:
-            with atomic_path(path) as tmp:
-                tmp.write_text(new)
+            write_text_atomic(path, new)
             changed.append(rel)
     return changed
 
@@ -661,6 +660,7 @@ def _run(args: argparse.Namespace, python: str, env: dict[str, str]) -> int:
     logs = cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{key.dirname()}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    ensure_build_deps(python, log)      # also Horovod's run-time deps: the wheel is installed --no-deps
     if wheel is not None:
         say(f"wheel: using cached {wheel} (no rebuild)")
     else:
@@ -684,7 +684,6 @@ def _run(args: argparse.Namespace, python: str, env: dict[str, str]) -> int:
 
 def _build(args: argparse.Namespace, python: str, env: Mapping[str, str], key: BuildKey,
            cache_dir: Path, mpi_compiler: str | None, log: Path) -> Path:
-    ensure_build_deps(python, log)
     workdir = Path(tempfile.mkdtemp(prefix="chexflow-horovod-build-"))
     try:
         sdist = obtain_sdist(args.sdist, workdir, python, log)

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 # dotted finetune key -> how a random trial draws it from the listed values
 KEYS = ("optim.lr", "optim.weight_decay", "batch_size", "model.dropout", "freeze")
 LOG_UNIFORM = {"optim.lr", "optim.weight_decay"}   # between min and max of the list (log if min > 0)
-UNIFORM = {"model.dropout"}                         # between min and max of the list
 CHOICE = {"batch_size", "freeze"}                   # one of the listed values
+# any other key (model.dropout): uniform between min and max of the list
 DIVERGED_MARKER = "diverged.json"                   # written by the trainer when the loss is NaN/inf
 INFRASTRUCTURE_EXITS = {143, 137, 130, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT}
 
@@ -97,13 +97,6 @@ def expand_trials(cfg: SweepConfig) -> list[dict[str, Any]]:
                     params[key] = min(_short(rng.uniform(lo, hi)), hi)
             trials.append(params)
     return [{"id": f"t{i:03d}", "params": p} for i, p in enumerate(trials)]
-
-
-def trial_params(cfg: SweepConfig, trial_id: str) -> dict[str, Any]:
-    for t in expand_trials(cfg):
-        if t["id"] == trial_id:
-            return t["params"]
-    raise SweepError(f"no trial {trial_id!r} in this sweep")
 
 
 def apply_params(finetune: dict, params: dict[str, Any]) -> dict:

@@ -6,12 +6,13 @@ so a retry finds them and resumes.
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from chexflow.fsutil import atomic_path
 
 _NAME = re.compile(r"^step-(\d{9})(?:-([0-9A-Za-z]+))?\.pt$")
 
@@ -23,17 +24,8 @@ def checkpoint_path(ckpt_dir: Path, step: int, run_id: str) -> Path:
 
 def save_atomic(obj: Any, path: Path) -> None:
     """torch.save to a temp name, fsync, rename: a crash never leaves a half file under ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path, fsync=True) as tmp:
+        torch.save(obj, tmp)
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, state: dict, *, keep: int) -> Path:
@@ -44,10 +36,6 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict, *, keep: int) -> Pat
     for old in list_checkpoints(ckpt_dir, run_id=run_id)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return path
-
-
-def step_of(path: Path) -> int:
-    return int(_NAME.match(Path(path).name).group(1))
 
 
 def list_checkpoints(ckpt_dir: Path, *, run_id: str | None = None) -> list[Path]:
