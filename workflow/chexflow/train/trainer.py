@@ -438,7 +438,7 @@ class Trainer:
         val_loss = sum(t[0] for t in tot) / max(sum(t[1] for t in tot), 1)
         s, t = gather_arrays(backend)([local_scores, local_targets])
         if self.task == "multiclass":
-            return val_loss, float((s.argmax(1) == t).mean()) if len(t) else float("nan"), "accuracy"
+            return val_loss, M.top1_accuracy(s, t), "accuracy"
         per = M.auroc_per_label(t.astype(np.float64), s, list(self.labels))
         return val_loss, float(M.mean_auroc(per)), "mean_auroc"
 
