@@ -15,6 +15,7 @@ import logging
 import os
 import tarfile
 import zlib
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -36,6 +37,21 @@ CSV_COLUMNS: tuple[str, ...] = (
 )
 REQUIRED_COLUMNS: tuple[str, ...] = ("Image Index", "Finding Labels", "Patient ID")
 SPLIT_NAMES = ("train", "val", "test")
+SPLIT_SOURCE = ("official NIH split lists: test = test_list.txt; train and val = train_val_list.txt, "
+                "val carved out by patient (seeded)")
+
+
+@dataclass(frozen=True)
+class ReleaseCounts:
+    """What the release's tables contain, as published with ChestX-ray14 (README_CHESTXRAY.pdf,
+    Wang et al. 2017): the label table's images and patients, and the two split lists' lengths."""
+    n_images: int
+    n_patients: int
+    n_train_val: int
+    n_test: int
+
+
+PUBLISHED = ReleaseCounts(n_images=112_120, n_patients=30_805, n_train_val=86_524, n_test=25_596)
 
 
 class NIHError(ValueError):
@@ -179,6 +195,36 @@ def assign_splits(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence
     split.index.name = "image"
     split.name = "split"
     return split
+
+
+def verify_tables(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence[str], *,
+                  expected: ReleaseCounts = PUBLISHED, where: str = "the NIH tables") -> None:
+    """Check the label table and split lists against the release's published content.
+
+    The tables have no published checksum, so they are checked by what they must contain:
+    ``expected.n_images`` labelled images of ``expected.n_patients`` patients, split lists of
+    ``expected.n_train_val`` and ``expected.n_test`` images, every listed image labelled, no image
+    and no patient in both lists. Raises ``NIHError`` listing every difference. A pilot on part of
+    the archives still needs the full tables (the split is defined by them).
+    """
+    tv, te = pd.Index(list(train_val)), pd.Index(list(test))
+    found = ReleaseCounts(n_images=len(labels), n_patients=int(labels["patient"].nunique()),
+                          n_train_val=len(tv), n_test=len(te))
+    problems = [f"{f.name} is {getattr(found, f.name):,}, expected {getattr(expected, f.name):,}"
+                for f in fields(ReleaseCounts) if getattr(found, f.name) != getattr(expected, f.name)]
+    for list_name, idx in (("train_val_list.txt", tv), ("test_list.txt", te)):
+        unknown = idx.difference(labels.index)
+        if len(unknown):
+            problems.append(f"{list_name} names {len(unknown)} image(s) without a label row, e.g. {list(unknown[:5])}")
+    both = tv.intersection(te)
+    if len(both):
+        problems.append(f"{len(both)} image(s) are in both lists, e.g. {list(both[:5])}")
+    shared = sorted(set(labels["patient"].reindex(tv).dropna()) & set(labels["patient"].reindex(te).dropna()))
+    if shared:
+        problems.append(f"{len(shared)} patient(s) have images in both lists, e.g. {shared[:5]}")
+    if problems:
+        raise NIHError(f"{where} are not the published ChestX-ray14 tables ({LABEL_CSV_NAME}, "
+                       f"train_val_list.txt, test_list.txt): " + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------- archives
