@@ -400,7 +400,8 @@ def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg
         what = f"pilot on {len(parts)} archive(s) {parts}: " if pilot else ""
         print(f"{name}: {what}{n_listed - n_missing:,} of {n_listed:,} listed images found, {n_missing:,} not "
               f"(e.g. {examples[:3]})", file=sys.stderr)
-    return {"pilot": pilot, "archives": list(cfg.archives) if pilot else None, "parts": list(parts),
+    return {"pilot": pilot, "archives": list(_parts.check_nih_archives(cfg.archives)) if pilot else None,
+            "parts": list(parts),
             "n_release_parts": len(_parts.nih_parts()) if pilot else len(parts),
             "n_listed": n_listed, "n_found": n_listed - n_missing, "n_missing": n_missing,
             "missing_examples": examples, "per_split": per_split}
