@@ -230,6 +230,7 @@ def verify_tables(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence
 # --------------------------------------------------------------------------- archives
 
 _FILTER_ROOT = os.path.join(os.sep, "nonexistent-chexflow-extract-root")
+_TAR_READ_BYTES = 1 << 20
 
 
 def _log_skip(member: str, reason: str) -> None:
@@ -258,7 +259,8 @@ def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None
         raise FileNotFoundError(f"{path}: archive not found")
     try:
         with gzip.open(path, "rb") as gz:
-            with tarfile.open(fileobj=gz, mode="r|") as tar:
+            # 1 MiB reads instead of tarfile's 10 KiB records: far fewer gzip calls per image
+            with tarfile.open(fileobj=gz, mode="r|", bufsize=_TAR_READ_BYTES) as tar:
                 for member in safe_members(tar, report):
                     if not member.name.lower().endswith(".png"):
                         continue
@@ -307,8 +309,11 @@ def posix_basename(name: str) -> str:
 
 # --------------------------------------------------------------------------- images
 
-def decode_grey(data: bytes, *, name: str, draft: int | None = None) -> np.ndarray:
-    """Decode an image file to uint8 HxW greyscale.
+def decode_grey(data: bytes, *, name: str, draft: int | None = None, size: int | None = None) -> np.ndarray:
+    """Decode an image file to uint8 HxW greyscale (``size``: then ``resize_square`` to ``size`` px).
+
+    With ``size`` the centre crop and the resize run on the decoded PIL image, without a numpy copy
+    of the full-resolution image in between (same pixels as ``resize_square(decode_grey(...))``).
 
     ``draft``: for JPEGs, let libjpeg decode only the luma channel at the smallest DCT scale
     (1/2, 1/4, 1/8) that keeps both sides >= ``draft`` px (``PIL.Image.draft``): much faster for
@@ -325,22 +330,29 @@ def decode_grey(data: bytes, *, name: str, draft: int | None = None) -> np.ndarr
     """
     from PIL import Image, UnidentifiedImageError
 
+    if size is not None and size < 1:
+        raise ValueError(f"size must be positive, got {size}")
     try:
         with Image.open(io.BytesIO(data)) as img:
             if draft is not None and img.format == "JPEG":
                 img.draft("L", (draft, draft))
             img.load()
             mode = img.mode
-            if mode == "L":
-                arr = np.asarray(img, dtype=np.uint8)
-            elif mode.startswith("I") or mode.startswith("F"):
+            if mode.startswith("I") or mode.startswith("F"):
                 arr = _minmax_to_uint8(np.asarray(img))
+                if size is not None and arr.ndim == 2 and arr.size:
+                    arr = resize_square(arr, size)
             else:
+                grey = img
                 if mode in ("LA", "La"):
-                    img = img.getchannel("L")
-                elif mode in ("RGBA", "RGBa", "RGBX", "PA") or "A" in img.getbands():
-                    img = img.convert("RGB")
-                arr = np.asarray(img.convert("L"), dtype=np.uint8)
+                    grey = img.getchannel("L")
+                elif mode != "L":
+                    if mode in ("RGBA", "RGBa", "RGBX", "PA") or "A" in img.getbands():
+                        grey = img.convert("RGB")
+                    grey = grey.convert("L")
+                if size is not None and grey.width and grey.height:
+                    grey = _square_pil(grey, size)
+                arr = np.asarray(grey, dtype=np.uint8)
     except DecodeError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
@@ -363,6 +375,19 @@ def _minmax_to_uint8(a: np.ndarray) -> np.ndarray:
         return np.zeros(a.shape, dtype=np.uint8)
     out = (np.nan_to_num(a, nan=lo) - lo) * (255.0 / (hi - lo))
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def _square_pil(img, size: int):
+    """``resize_square`` on a PIL 'L' image (returns a PIL image)."""
+    from PIL import Image
+    w, h = img.size
+    if h != w:
+        s = min(h, w)
+        top, left = (h - s) // 2, (w - s) // 2
+        img = img.crop((left, top, left + s, top + s))
+    if img.size[0] == size:
+        return img.copy()
+    return img.resize((size, size), Image.Resampling.BILINEAR)
 
 
 def resize_square(img: np.ndarray, size: int) -> np.ndarray:

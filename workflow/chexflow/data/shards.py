@@ -195,7 +195,7 @@ def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: S
             yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
 
     yield from _decoded(labelled(), part, wanted, rejects,
-                        lambda data, key: nih.resize_square(nih.decode_grey(data, name=key), cfg.image_size))
+                        lambda data, key: nih.decode_grey(data, name=key, size=cfg.image_size))
 
 
 def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[Sample]:
