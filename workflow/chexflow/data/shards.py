@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import logging
 import os
 import sys
 from collections import Counter, defaultdict
@@ -32,15 +31,12 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 import webdataset as wds
-
 from tqdm import tqdm
 
 from chexflow.config import ShardConfig, to_dict
 from chexflow.data import fashion_mnist, imagenet, nih
 from chexflow.data import parts as _parts
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
-
-log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 # ShardConfig fields that do not change what a part's shards hold (thresholds checked afterwards,
@@ -128,7 +124,7 @@ def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path, *,
 
 
 def parts_of(name: str, n_archives: int | None = None, *, train_parts: int | None = None,
-             archives=None) -> list[str]:
+             archives: tuple[int, ...] | None = None) -> list[str]:
     """The shard jobs of a dataset (``chexflow.data.parts.parts_of``, errors as ``ShardError``)."""
     try:
         return _parts.parts_of(name, n_archives, train_parts=train_parts, archives=archives)
@@ -259,25 +255,23 @@ def _resumable(out_dir: Path, key: str) -> tuple[list[dict], list[dict]]:
     """(finished shard records, rejects) of an earlier attempt with the same ``key``; the shards
     of an attempt with another key are deleted and logged."""
     progress_path = out_dir / "progress.json"
-    if not progress_path.exists():
-        return [], []
-    try:
-        progress = json.loads(progress_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        progress = {}
-        log.warning("%s: unreadable (%s); starting the part afresh", progress_path, exc)
-    progress = progress if isinstance(progress, dict) else {}
+    progress: dict = {}
+    if progress_path.exists():
+        try:
+            progress = json.loads(progress_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            print(f"{progress_path}: unreadable ({exc}); starting the part afresh", file=sys.stderr)
+        progress = progress if isinstance(progress, dict) else {}
     records = progress.get("shards", [])
     if progress.get("key") != key:
-        stale = [r["file"] for r in records if (out_dir / r["file"]).exists()]
+        stale = sorted(p.name for split in SPLITS for p in out_dir.glob(f"{split}-*.tar"))
         for fname in stale:
             (out_dir / fname).unlink()
-        progress_path.unlink()
-        msg = (f"{out_dir}: discarded {len(stale)} shard(s) of an earlier attempt written with other settings or "
-               f"another copy of the input ({'no key' if 'key' not in progress else 'key ' + str(progress['key'])[:12]}"
-               f", now {key[:12]}): {stale[:5]}")
-        log.warning(msg)
-        print(msg, file=sys.stderr)
+        progress_path.unlink(missing_ok=True)
+        if stale:
+            was = "an attempt without a resume record" if "key" not in progress else f"key {progress['key'][:12]}"
+            print(f"{out_dir}: discarded {len(stale)} shard(s) of an earlier attempt written with other settings "
+                  f"or another copy of the input ({was}, now {key[:12]}): {stale[:5]}", file=sys.stderr)
         return [], []
     done = [r for r in records if (out_dir / r["file"]).exists()]
     return done, (list(progress.get("rejects", [])) if done else [])
