@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from chexflow.data import nih, phantoms
-from chexflow.data.sources import NIH_N_ARCHIVES, NIH_TABLES
+from chexflow.data.sources import NIH_N_ARCHIVES, NIH_TABLES, archive_name
 
 BIG = 1024          # the release's image side
 
@@ -57,43 +57,49 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def make_nih_mirror(root: Path, *, per_archive: int = 30, seed: int = 11, n_big: int = 3, n_rgba: int = 3,
-                    drop: tuple[str, ...] = (), corrupt: tuple[str, ...] = ()) -> Mirror:
-    """Write the mirror under ``root/mirror`` (generated phantoms under ``root/generated``).
-
-    ``drop``: listed images left out of every archive; ``corrupt``: images stored as truncated PNGs.
-    """
-    generated = root / "generated"
-    info = phantoms.make_release(generated, n_images=per_archive * NIH_N_ARCHIVES, image_size=32,
+def generate(root: Path, *, per_archive: int = 30, seed: int = 11) -> Path:
+    """The phantom release (12 archives of ``per_archive`` 32 px images) a mirror is packed from."""
+    info = phantoms.make_release(root, n_images=per_archive * NIH_N_ARCHIVES, image_size=32,
                                  images_per_archive=per_archive, test_fraction=0.25, seed=seed)
     assert len(info.archives) == NIH_N_ARCHIVES
-    mirror = root / "mirror"
-    mirror.mkdir(parents=True, exist_ok=True)
-    members: dict[str, list[tuple[str, bytes]]] = {}
-    for name in info.archives:
-        members[name] = [(img, data) for img, data in nih.iter_archive(generated / name)]
-    first = [img for img, _ in members[info.archives[0]]]
-    big = tuple(first[:n_big])                       # 1,024 px (the last of them also RGBA)
-    rgba = tuple(first[n_big - 1:n_big - 1 + n_rgba])
+    return root
+
+
+def make_nih_mirror(root: Path, generated: Path, *, n_big: int = 3, n_rgba: int = 3,
+                    drop: tuple[tuple[int, int], ...] = (), corrupt: tuple[tuple[int, int], ...] = ()) -> Mirror:
+    """Pack the mirror under ``root`` from a ``generate``d release.
+
+    The first ``n_big`` images of archive 1 are stored at 1,024 px, ``n_rgba`` images from the last
+    of those on as RGBA. ``drop``: (archive number, member index) of listed images left out of every
+    archive; ``corrupt``: (archive number, member index) of images stored as truncated PNGs.
+    """
+    root.mkdir(parents=True, exist_ok=True)
     archives: dict[str, list[str]] = {}
-    for name, items in members.items():
+    big: list[str] = []
+    rgba: list[str] = []
+    for a in range(1, NIH_N_ARCHIVES + 1):
+        name = archive_name(a)
         out = []
-        for img, data in items:
-            if img in drop:
+        for i, (img, data) in enumerate(nih.iter_archive(generated / name)):
+            if (a, i) in drop:
                 continue
-            if img in big or img in rgba:
-                pixels = nih.decode_grey(data, name=img)
-                data = _png(pixels, size=BIG if img in big else None, rgba=img in rgba)
-            if img in corrupt:
+            to_big, to_rgba = a == 1 and i < n_big, a == 1 and n_big - 1 <= i < n_big - 1 + n_rgba
+            if to_big or to_rgba:
+                data = _png(nih.decode_grey(data, name=img), size=BIG if to_big else None, rgba=to_rgba)
+                (big if to_big else []).append(img)
+                (rgba if to_rgba else []).append(img)
+            if (a, i) in corrupt:
                 data = data[: len(data) // 2]
             out.append((img, data))
-        phantoms.write_archive(mirror / name, out)
+        phantoms.write_archive(root / name, out)
         archives[name] = [img for img, _ in out]
     for table in NIH_TABLES:
-        shutil.copyfile(generated / table, mirror / table)
-    files = {name: {"sha256": _sha256(mirror / name), "size": (mirror / name).stat().st_size}
+        shutil.copyfile(generated / table, root / table)
+    files = {name: {"sha256": _sha256(root / name), "size": (root / name).stat().st_size}
              for name in [*archives, *NIH_TABLES]}
-    content = {"n_images": info.n_images, "n_patients": info.n_patients, "n_train_val": info.n_train_val,
-               "n_test": info.n_test}
-    return Mirror(root=mirror, archives=archives, n_images=info.n_images, big=big, rgba=rgba,
+    labels = nih.read_labels(root / NIH_TABLES[0])
+    content = {"n_images": len(labels), "n_patients": int(labels["patient"].nunique()),
+               "n_train_val": len(nih.read_split_list(root / NIH_TABLES[1])),
+               "n_test": len(nih.read_split_list(root / NIH_TABLES[2]))}
+    return Mirror(root=root, archives=archives, n_images=len(labels), big=tuple(big), rgba=tuple(rgba),
                   registry={"nih": {"files": files, "content": content}})

@@ -80,6 +80,9 @@ def test_real_label_csv_from_torchxrayvision():
     df = nih.read_labels(path)
     assert len(df) == 112_120
     assert df["patient"].nunique() == 30_805
+    # the published content the split stage checks a release's tables against
+    assert nih.PUBLISHED == nih.ReleaseCounts(n_images=len(df), n_patients=30_805, n_train_val=86_524, n_test=25_596)
+    assert nih.PUBLISHED.n_train_val + nih.PUBLISHED.n_test == nih.PUBLISHED.n_images
     assert list(df.columns[1:]) == list(nih.LABELS)
     prevalence = df[list(nih.LABELS)].mean()
     assert prevalence["Infiltration"] == pytest.approx(0.1774, abs=0.001)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import tarfile
 from pathlib import Path
@@ -19,7 +20,13 @@ from chexflow.data import nih, shards, sources
 from chexflow.evaluate import published
 from conftest import REPO, job_counts, snakemake
 from http_server import FileServer
-from nih_mirror import make_nih_mirror
+from nih_mirror import generate, make_nih_mirror
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> Path:
+    """One phantom release (12 archives of 12 images at 32 px) the unit tests pack mirrors from."""
+    return generate(tmp_path_factory.mktemp("generated"), per_archive=12)
 
 
 def _expected(mirror) -> nih.ReleaseCounts:
@@ -33,14 +40,6 @@ def _cfg(**kw) -> ShardConfig:
 
 
 # --------------------------------------------------------------------------- published content of the tables
-
-def test_published_counts_match_the_real_label_table():
-    """PUBLISHED is what the real Data_Entry_2017_v2020.csv holds (the copy in torchxrayvision)."""
-    labels = nih.read_labels(nih.find_label_csv())
-    assert (len(labels), labels["patient"].nunique()) == (nih.PUBLISHED.n_images, nih.PUBLISHED.n_patients)
-    assert nih.PUBLISHED == nih.ReleaseCounts(112_120, 30_805, 86_524, 25_596)
-    assert nih.PUBLISHED.n_train_val + nih.PUBLISHED.n_test == nih.PUBLISHED.n_images
-
 
 def test_verify_tables_names_every_difference():
     labels = pd.DataFrame({"patient": ["p1", "p1", "p2", "p3"]}, index=["a.png", "b.png", "c.png", "d.png"])
@@ -59,29 +58,35 @@ def test_verify_tables_names_every_difference():
         nih.verify_tables(labels, ["a.png", "b.png", "c.png"], ["d.png"])
 
 
-def test_split_of_nih_checks_the_tables_even_for_a_pilot(tmp_path):
-    mirror = make_nih_mirror(tmp_path, per_archive=6)
-    with pytest.raises(nih.NIHError, match="n_images is 72, expected 112,120"):
-        shards.split_dataset("nih", mirror.root, _cfg(archives=(1,)), tmp_path / "splits.csv")
-    df = shards.split_dataset("nih", mirror.root, _cfg(archives=(1,)), tmp_path / "splits.csv",
-                              expected=_expected(mirror))
-    assert len(df) == 72 and set(df["split"]) == {"train", "val", "test"}
+@pytest.mark.slow
+def test_split_of_nih_checks_the_tables_even_for_a_pilot(tmp_path, generated):
+    with pytest.raises(nih.NIHError, match="n_images is 144, expected 112,120"):
+        shards.split_dataset("nih", generated, _cfg(archives=(1,)), tmp_path / "splits.csv")
+    expected = nih.ReleaseCounts(**make_nih_mirror(tmp_path / "m", generated).registry["nih"]["content"])
+    df = shards.split_dataset("nih", generated, _cfg(archives=(1,)), tmp_path / "splits.csv", expected=expected)
+    assert len(df) == 144 and set(df["split"]) == {"train", "val", "test"}
+    wrong = nih.ReleaseCounts(**{**expected.__dict__, "n_test": expected.n_test + 1})
+    with pytest.raises(nih.NIHError, match=f"n_test is {expected.n_test}, expected {expected.n_test + 1}"):
+        shards.split_dataset("nih", generated, _cfg(), tmp_path / "splits.csv", expected=wrong)
 
 
 # --------------------------------------------------------------------------- test-only registry override
 
 def test_registry_override_only_through_its_environment_variable(tmp_path, capsys):
     assert sources.load_test_registry({}) is None
-    mirror = make_nih_mirror(tmp_path, per_archive=4)
-    path = mirror.write_registry(tmp_path / "registry.json")
+    content = {"n_images": 5, "n_patients": 2, "n_train_val": 3, "n_test": 2}
+    path = tmp_path / "registry.json"
+    path.write_text(json.dumps({"nih": {"files": {"images_001.tar.gz": {"sha256": "AB" * 32, "size": 7}},
+                                        "content": content}}))
     reg = sources.load_test_registry({sources.TEST_REGISTRY_ENV: str(path)})
-    assert "replaced by this test registry" in capsys.readouterr().err
+    assert f"{sources.TEST_REGISTRY_ENV}={path}" in capsys.readouterr().err
     src = sources.with_test_pins(sources.get_source("nih"), reg)
     a1 = src.file("images_001.tar.gz")
-    assert a1.md5 is None and a1.sha256 == reg["nih"]["files"]["images_001.tar.gz"]["sha256"]
+    assert (a1.md5, a1.sha256, a1.size) == (None, "ab" * 32, 7)
     assert a1.url == sources.get_source("nih").file("images_001.tar.gz").url      # only the pins change
+    assert src.file("images_002.tar.gz") == sources.get_source("nih").file("images_002.tar.gz")
     assert sources.get_source("nih").file("images_001.tar.gz").md5 == "fe8ed0a6961412fddcbb3603c11b3698"
-    assert sources.registry_content(reg, "nih") == mirror.registry["nih"]["content"]
+    assert sources.registry_content(reg, "nih") == content
     (tmp_path / "bad.json").write_text(json.dumps({"nih": {"files": {"images_013.tar.gz": {"sha256": "0" * 64}}}}))
     bad = sources.load_test_registry({sources.TEST_REGISTRY_ENV: str(tmp_path / "bad.json")})
     with pytest.raises(sources.RegistryOverrideError, match="no file.*images_013.tar.gz"):
@@ -93,32 +98,34 @@ def test_registry_override_only_through_its_environment_variable(tmp_path, capsy
 
 # --------------------------------------------------------------------------- coverage of the listed images
 
-def test_listed_image_missing_from_every_archive(tmp_path):
-    probe = make_nih_mirror(tmp_path / "probe", per_archive=8)
-    gone = probe.archives["images_005.tar.gz"][2]
-    mirror = make_nih_mirror(tmp_path / "m", per_archive=8, drop=(gone,))
-    assert all(gone not in names for names in mirror.archives.values())
+@pytest.mark.slow
+def test_listed_image_missing_from_every_archive(tmp_path, generated):
+    mirror = make_nih_mirror(tmp_path / "m", generated, drop=((5, 2),))
+    gone = sorted(set(pd.read_csv(generated / nih.LABEL_CSV_NAME)["Image Index"])
+                  - {n for names in mirror.archives.values() for n in names})
+    assert len(gone) == 1
+    gone = gone[0]
     expected = _expected(mirror)
     with pytest.raises(shards.ShardError) as ei:
         shards.build_dataset("nih", mirror.root, tmp_path / "full", _cfg(), expected=expected)
     msg = str(ei.value)
-    assert "1 of the 96 images named in the split lists" in msg and gone in msg
+    assert "1 of the 144 images named in the split lists" in msg and gone in msg
     assert "images_001 ... images_012" in msg and "datasets.nih.archives" in msg
     # within the tolerance: accepted, and recorded
     m = json.loads(shards.build_dataset("nih", mirror.root, tmp_path / "tol", _cfg(max_missing_fraction=0.02),
                                         expected=expected).read_text())
-    assert (m["coverage"]["n_listed"], m["coverage"]["n_found"], m["coverage"]["missing_examples"]) == (96, 95, [gone])
+    assert (m["coverage"]["n_listed"], m["coverage"]["n_found"], m["coverage"]["missing_examples"]) == (144, 143, [gone])
     # a declared pilot: the listed images of the other archives are expected to be missing
     m = json.loads(shards.build_dataset("nih", mirror.root, tmp_path / "pilot", _cfg(archives=(2, 1)),
                                         expected=expected).read_text())
     cov = m["coverage"]
     assert cov["pilot"] and cov["archives"] == [1, 2] and cov["parts"] == ["images_001", "images_002"]
-    assert (cov["n_listed"], cov["n_found"], cov["n_missing"], cov["n_release_parts"]) == (96, 16, 80, 12)
+    assert (cov["n_listed"], cov["n_found"], cov["n_missing"], cov["n_release_parts"]) == (144, 24, 120, 12)
     splits = pd.read_csv(tmp_path / "pilot" / "splits.csv")
     for split, info in m["splits"].items():
         assert info["n_listed"] == int((splits["split"] == split).sum())
         assert info["n_images"] == cov["per_split"][split]["n_found"]
-    assert sum(info["n_images"] for info in m["splits"].values()) == 16
+    assert sum(info["n_images"] for info in m["splits"].values()) == 24
     assert m["split_source"] == nih.SPLIT_SOURCE
 
 
@@ -134,10 +141,10 @@ def _shard_sides(part_dir: Path) -> set[int]:
     return sides
 
 
-def test_resume_discards_shards_of_other_settings_or_input(tmp_path, capsys):
-    probe = make_nih_mirror(tmp_path / "probe", per_archive=24)
-    bad = probe.archives["images_001.tar.gz"][-2]        # decoded after most shards are written
-    mirror = make_nih_mirror(tmp_path / "m", per_archive=24, corrupt=(bad,))
+@pytest.mark.slow
+def test_resume_discards_shards_of_other_settings_or_input(tmp_path, generated, capsys):
+    mirror = make_nih_mirror(tmp_path / "m", generated, corrupt=((1, 10),))   # after most shards are written
+    bad = mirror.archives["images_001.tar.gz"][10]
     raw, out = mirror.root, tmp_path / "shards"
     shards.split_dataset("nih", raw, _cfg(), out / "splits.csv", expected=_expected(mirror))
     part = out / "parts" / "images_001"
@@ -153,7 +160,8 @@ def test_resume_discards_shards_of_other_settings_or_input(tmp_path, capsys):
         in capsys.readouterr().err
     assert m["image_size"] == 96 and _shard_sides(part) == {96}
     assert [r["image"] for r in m["rejects"]] == [bad]
-    assert sum(s["count"] for s in m["shards"]) == 23 and m["listed_found"] == sorted(probe.archives["images_001.tar.gz"])
+    assert sum(s["count"] for s in m["shards"]) == 11
+    assert m["listed_found"] == sorted(mirror.archives["images_001.tar.gz"])
     # the 1,024 px and RGBA members of this archive are resized like the others
     assert set(mirror.big) | set(mirror.rgba) <= set(m["listed_found"])
 
@@ -164,7 +172,6 @@ def test_resume_discards_shards_of_other_settings_or_input(tmp_path, capsys):
     assert shards.part_key("nih", "images_001", raw, out / "splits.csv", _cfg(image_size=96)) == m["key"]
     archive = raw / "images_001.tar.gz"
     st = archive.stat()
-    import os
     os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert shards.part_key("nih", "images_001", raw, out / "splits.csv", _cfg(image_size=96)) != m["key"]
     assert shards.part_key("nih", "images_001", raw, out / "splits.csv",
@@ -208,7 +215,7 @@ def _run(workdir: Path, cfg: dict) -> tuple:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
-    mirror = make_nih_mirror(tmp_path / "mirror", per_archive=30)
+    mirror = make_nih_mirror(tmp_path / "mirror", generate(tmp_path / "generated", per_archive=30))
     monkeypatch.setenv(sources.TEST_REGISTRY_ENV, str(mirror.write_registry(tmp_path / "registry.json")))
     work = tmp_path / "work"
     work.mkdir()
