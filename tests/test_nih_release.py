@@ -58,7 +58,6 @@ def test_verify_tables_names_every_difference():
         nih.verify_tables(labels, ["a.png", "b.png", "c.png"], ["d.png"])
 
 
-@pytest.mark.slow
 def test_split_of_nih_checks_the_tables_even_for_a_pilot(tmp_path, generated):
     with pytest.raises(nih.NIHError, match="n_images is 144, expected 112,120"):
         shards.split_dataset("nih", generated, _cfg(archives=(1,)), tmp_path / "splits.csv")
@@ -98,7 +97,6 @@ def test_registry_override_only_through_its_environment_variable(tmp_path, capsy
 
 # --------------------------------------------------------------------------- coverage of the listed images
 
-@pytest.mark.slow
 def test_listed_image_missing_from_every_archive(tmp_path, generated):
     mirror = make_nih_mirror(tmp_path / "m", generated, drop=((5, 2),))
     gone = sorted(set(pd.read_csv(generated / nih.LABEL_CSV_NAME)["Image Index"])
@@ -141,7 +139,6 @@ def _shard_sides(part_dir: Path) -> set[int]:
     return sides
 
 
-@pytest.mark.slow
 def test_resume_discards_shards_of_other_settings_or_input(tmp_path, generated, capsys):
     mirror = make_nih_mirror(tmp_path / "m", generated, corrupt=((1, 10),))   # after most shards are written
     bad = mirror.archives["images_001.tar.gz"][10]
