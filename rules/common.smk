@@ -26,6 +26,11 @@ def n_demo_archives():
     return math.ceil(d.get("n_images", 3000) / d.get("images_per_archive", 1000))
 
 
+def nih_archives():
+    """The declared pilot subset of the NIH archives (datasets.nih.archives), None = all 12."""
+    return _parts.check_nih_archives((config.get("datasets", {}).get("nih") or {}).get("archives"))
+
+
 def source_of(dataset):
     return _sources.get_source(dataset, n_archives=n_demo_archives() if dataset == "nih_demo" else None)
 
@@ -44,6 +49,11 @@ def download_inputs(wildcards):
     return [f"{DEMO_DIR}/SHA256SUMS"] if wildcards.dataset == "nih_demo" else []
 
 
+def download_args(wildcards):
+    """The generated demo release has as many archives as demo_release says; real sources are fixed."""
+    return f"--n-archives {n_demo_archives()}" if wildcards.dataset == "nih_demo" else ""
+
+
 def download_mirror(wildcards):
     if wildcards.dataset == "nih_demo":
         return DEMO_DIR
@@ -52,6 +62,13 @@ def download_mirror(wildcards):
 
 def shard_config_json(wildcards):
     return json.dumps({**config["shards"][wildcards.dataset], "dataset": wildcards.dataset})
+
+
+def gather_config_json(wildcards):
+    """The shard settings plus, for nih, the declared pilot subset (only the gather needs it: the
+    split and the parts are the same for a pilot and the full release)."""
+    pilot = {"archives": nih_archives()} if wildcards.dataset == "nih" else {}
+    return json.dumps({**config["shards"][wildcards.dataset], "dataset": wildcards.dataset, **pilot})
 
 
 def split_inputs(wildcards):
@@ -64,18 +81,13 @@ def split_inputs(wildcards):
 
 
 def part_inputs(wildcards):
-    base = f"data/raw/{wildcards.dataset}"
-    if wildcards.dataset == "fashion_mnist":
-        return [f"{base}/{name}" for name in _parts.FASHION_MNIST_PARTS[wildcards.part]]
-    if wildcards.dataset == "imagenet":   # parts train_NNN (class ranges of the train tar) and val
-        archive = "ILSVRC2012_img_val.tar" if wildcards.part == "val" else "ILSVRC2012_img_train.tar"
-        return [f"{base}/{archive}", f"{base}/ILSVRC2012_devkit_t12.tar.gz"]
-    return [f"{base}/{wildcards.part}.tar.gz", f"{base}/Data_Entry_2017_v2020.csv"]
+    return [f"data/raw/{wildcards.dataset}/{name}" for name in _parts.part_files(wildcards.dataset, wildcards.part)]
 
 
 def part_manifests(wildcards):
     parts = _parts.parts_of(wildcards.dataset, n_demo_archives(),
-                             train_parts=config["shards"].get("imagenet", {}).get("train_parts"))
+                             train_parts=config["shards"].get("imagenet", {}).get("train_parts"),
+                             archives=nih_archives())
     return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
 
 

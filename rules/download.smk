@@ -23,7 +23,7 @@ rule download_file:
         "data/raw/{dataset}/{file}",
     params:
         mirror=download_mirror,
-        n_archives=n_demo_archives(),
+        source_args=download_args,
     log:
         "logs/download/{dataset}/{file}.log",
     benchmark:
@@ -35,4 +35,4 @@ rule download_file:
     shell:
         "chexflow download --dataset {wildcards.dataset} --file {wildcards.file:q}"
         " --dest data/raw/{wildcards.dataset} --mirror {params.mirror:q}"
-        " --n-archives {params.n_archives} > {log} 2>&1"
+        " {params.source_args} > {log} 2>&1"

@@ -41,11 +41,12 @@ rule write_shards:
 
 rule gather_shards:
     input:
-        part_manifests,
+        parts=part_manifests,
+        splits="data/shards/{dataset}/splits.csv",
     output:
         "data/shards/{dataset}/manifest.json",
     params:
-        cfg=shard_config_json,
+        cfg=gather_config_json,
     log:
         "logs/shards/{dataset}/gather.log",
     benchmark:
@@ -53,4 +54,5 @@ rule gather_shards:
     conda:
         "../envs/data.yaml"
     shell:
-        "chexflow gather --config-json {params.cfg:q} --out {output} {input} > {log} 2>&1"
+        "chexflow gather --config-json {params.cfg:q} --splits {input.splits} --out {output}"
+        " {input.parts} > {log} 2>&1"

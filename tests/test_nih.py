@@ -80,6 +80,9 @@ def test_real_label_csv_from_torchxrayvision():
     df = nih.read_labels(path)
     assert len(df) == 112_120
     assert df["patient"].nunique() == 30_805
+    # the published content the split stage checks a release's tables against
+    assert nih.PUBLISHED == nih.ReleaseCounts(n_images=len(df), n_patients=30_805, n_train_val=86_524, n_test=25_596)
+    assert nih.PUBLISHED.n_train_val + nih.PUBLISHED.n_test == nih.PUBLISHED.n_images
     assert list(df.columns[1:]) == list(nih.LABELS)
     prevalence = df[list(nih.LABELS)].mean()
     assert prevalence["Infiltration"] == pytest.approx(0.1774, abs=0.001)
@@ -284,3 +287,28 @@ def test_resize_square():
     small = nih.resize_square(sq, 16)
     assert small.shape == (16, 16)
     assert abs(float(small.mean()) - float(sq.mean())) < 3   # antialiased: the mean is preserved
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "RGB", "I;16", "LA", "P"])
+@pytest.mark.parametrize("shape", [(40, 40), (50, 36), (36, 50), (24, 24)])
+def test_decode_grey_with_size_is_decode_then_resize_square(mode, shape):
+    """The fused decode+resize of the shard stage gives the pixels of the two-step path."""
+    from PIL import Image
+    rng = np.random.default_rng(3)
+    grey = rng.integers(0, 256, shape, dtype=np.uint8)
+    if mode == "I;16":
+        img = Image.fromarray(grey.astype(np.uint16) * 200 + 7)
+    elif mode in ("RGB", "RGBA"):
+        img = Image.fromarray(np.stack([grey, np.roll(grey, 3), grey // 2] + ([grey] if mode == "RGBA" else []), -1),
+                              mode=mode)
+    else:
+        img = Image.fromarray(grey, mode="L").convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    data = buf.getvalue()
+    for size in (24, 17):
+        fused = nih.decode_grey(data, name="x.png", size=size)
+        assert fused.shape == (size, size) and fused.dtype == np.uint8
+        np.testing.assert_array_equal(fused, nih.resize_square(nih.decode_grey(data, name="x.png"), size))
+    with pytest.raises(ValueError, match="size must be positive"):
+        nih.decode_grey(data, name="x.png", size=0)

@@ -344,3 +344,39 @@ def test_report_renders_in_headless_chromium(tmp_path: Path, report_path: Path):
     assert 'id="auroc-table"' in dom
     assert len(_table(dom, "auroc-table")["tbody"]) == 14
     assert "SYNTHETIC demo data" in dom
+
+
+def test_subtitle_and_pilot_banner_describe_the_run(inputs, tmp_path):
+    """The subtitle names what ran (architectures, datasets, backends, ranks); a pilot on part of
+    the release gets a banner and its coverage is stated."""
+    nih_manifest = _manifest("nih", LABELS, synthetic=False, task="multilabel", title="NIH ChestX-ray14")
+    nih_manifest["split_source"] = "official NIH split lists: test = test_list.txt"
+    nih_manifest["coverage"] = {"pilot": True, "archives": [1, 2], "parts": ["images_001", "images_002"],
+                                "n_release_parts": 12, "n_listed": 112120, "n_found": 19999, "n_missing": 92121,
+                                "missing_examples": [], "per_split": {}}
+    path = tmp_path / "nih_manifest.json"
+    path.write_text(json.dumps(nih_manifest))
+    config = {"study": {"pretrain_dataset": "fashion_mnist", "finetune_dataset": "nih"},
+              "pretrain": {"backend": "horovod", "model": {"arch": "resnet50"}},
+              "finetune": {"backend": "ddp", "model": {"arch": "densenet121"}}}
+    out = tmp_path / "pilot.html"
+    render.render_report(out, **{**inputs, "manifests": {"fashion_mnist": inputs["manifests"]["fashion_mnist"],
+                                                        "nih": path}, "config": config})
+    html = out.read_text()
+    subtitle = re.search(r'<p class="subtitle" id="run-subtitle">(.*?) &middot;', html).group(1)
+    assert subtitle == ("resnet50 pretraining on Fashion-MNIST (horovod, 2 ranks) and densenet121 fine-tuning "
+                        "on NIH ChestX-ray14 (ddp, 2 ranks)")
+    assert "DenseNet-121 pretraining (Horovod)" not in html
+    banner = re.search(r'<div class="banner" id="pilot-banner" role="alert">\s*(.*?)\s*<small>', html, re.S).group(1)
+    assert banner == ("PILOT on 2 of 12 archives of NIH ChestX-ray14: 19,999 of the 112,120 images named in the split "
+                      "lists were used. These numbers are NOT comparable with CheXNet or the other published results.")
+    assert "PILOT on 2 of 12 archives (images_001, images_002): 19,999 of 112,120 listed images" in html
+    assert "official NIH split lists: test = test_list.txt" in html
+    # the full release: no banner, the coverage stated
+    nih_manifest["coverage"].update(pilot=False, archives=None, n_found=112120, n_missing=0,
+                                    parts=[f"images_{i:03d}" for i in range(1, 13)])
+    path.write_text(json.dumps(nih_manifest))
+    render.render_report(out, **{**inputs, "manifests": {"fashion_mnist": inputs["manifests"]["fashion_mnist"],
+                                                        "nih": path}, "config": config})
+    html = out.read_text()
+    assert 'id="pilot-banner"' not in html and "all 12 archives: 112,120 of 112,120 listed images" in html

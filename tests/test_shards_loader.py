@@ -91,11 +91,11 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
     calls = {"n": 0}
     real = S.nih.decode_grey
 
-    def crashing(data, *, name):
+    def crashing(data, *, name, **kw):
         calls["n"] += 1
         if calls["n"] == 45:
             raise KeyboardInterrupt("simulated crash")
-        return real(data, name=name)
+        return real(data, name=name, **kw)
     S.nih.decode_grey = crashing
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -107,9 +107,9 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
     assert before, "some shards were finished before the crash"
     decoded = {"n": 0}
 
-    def counting(data, *, name):
+    def counting(data, *, name, **kw):
         decoded["n"] += 1
-        return real(data, name=name)
+        return real(data, name=name, **kw)
     S.nih.decode_grey = counting
     try:
         resumed = S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", out, cfg)

@@ -41,13 +41,16 @@ def cmd_make_demo_release(args) -> None:
 def cmd_download(args) -> None:
     from chexflow.data import download, sources
     src = sources.get_source(args.dataset, n_archives=args.n_archives)
+    src = sources.with_test_pins(src, sources.load_test_registry())   # tests only: see sources.py
     download.fetch_source_file(src, args.file, args.dest, args.mirror or None, progress=True)
 
 
 def cmd_split(args) -> None:
-    from chexflow.data import shards
+    from chexflow.data import nih, shards, sources
     cfg = _load(C.ShardConfig, args)
-    df = shards.split_dataset(cfg.dataset, args.raw, cfg, args.out)
+    content = sources.registry_content(sources.load_test_registry(), cfg.dataset)   # tests only
+    df = shards.split_dataset(cfg.dataset, args.raw, cfg, args.out,
+                              expected=nih.ReleaseCounts(**content) if content else None)
     counts = df.groupby("split").agg(images=("image", "size"), patients=("patient", "nunique"))
     print(counts.to_string())
 
@@ -55,7 +58,7 @@ def cmd_split(args) -> None:
 def cmd_shards(args) -> None:
     from chexflow.data import shards
     cfg = _load(C.ShardConfig, args)
-    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg)
+    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, progress=True)
     print(f"{cfg.dataset}/{args.part}: {len(m['shards'])} shards, "
           f"{sum(s['count'] for s in m['shards'])} images, {len(m['rejects'])} rejected")
 
@@ -63,9 +66,10 @@ def cmd_shards(args) -> None:
 def cmd_gather(args) -> None:
     from chexflow.data import shards
     cfg = _load(C.ShardConfig, args)
-    m = shards.gather(cfg.dataset, args.parts, args.out, cfg)
+    m = shards.gather(cfg.dataset, args.parts, args.out, cfg, splits_csv=args.splits)
     for split, s in m["splits"].items():
-        print(f"{split}: {s['n_images']} images, {s['n_patients']} patients, {s['n_shards']} shards")
+        listed = f" of {s['n_listed']} listed" if "n_listed" in s else ""
+        print(f"{split}: {s['n_images']}{listed} images, {s['n_patients']} patients, {s['n_shards']} shards")
 
 
 def cmd_train(args) -> None:
@@ -156,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", required=True)
     p.add_argument("--dest", type=Path, required=True, help="directory (data/raw/<dataset>)")
     p.add_argument("--mirror", default=None, help="directory, file:// or http(s) base URL")
-    p.add_argument("--n-archives", type=int, default=None, help="nih_demo: number of archives")
+    p.add_argument("--n-archives", type=int, default=None, help="nih_demo: number of archives of the generated release")
     p.set_defaults(func=cmd_download)
 
     p = sub.add_parser("split", help="patient-wise train/val/test assignment")
@@ -176,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gather", help="combine part manifests into the dataset manifest")
     _add_config(p)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--splits", type=Path, default=None,
+                   help="splits.csv: check that every listed image was found (coverage in the manifest)")
     p.add_argument("parts", type=Path, nargs="+")
     p.set_defaults(func=cmd_gather)
 

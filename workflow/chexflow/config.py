@@ -147,7 +147,9 @@ class ShardConfig:
     val_fraction: float = 0.1         # share of train(_val) patients carved out for validation
     split_seed: int = 0
     max_reject_fraction: float = 0.001
+    max_missing_fraction: float = 0.001   # full release: listed images found in no archive (else an error)
     train_parts: int = 16             # imagenet only: shard jobs for the train archive (class ranges)
+    archives: tuple[int, ...] | None = None   # nih: the declared pilot subset (datasets.nih.archives)
 
 
 @dataclass(frozen=True)
@@ -339,11 +341,16 @@ DATASETS = ("fashion_mnist", "nih_demo", "nih", "imagenet")
 
 def study_schema() -> dict:
     """The JSON schema of config.yaml (kept in sync with the dataclasses by a test)."""
-    shard = dataclass_schema(ShardConfig, exclude=("dataset", "train_parts"))
-    shard_imagenet = dataclass_schema(ShardConfig, exclude=("dataset",))
+    shard = dataclass_schema(ShardConfig, exclude=("dataset", "train_parts", "archives"))
+    shard_imagenet = dataclass_schema(ShardConfig, exclude=("dataset", "archives"))
     train = dataclass_schema(TrainConfig, exclude=("stage", "dataset"))
     source = {"type": "object", "additionalProperties": False,
               "properties": {"mirror": {"type": ["string", "null"]}}}
+    from chexflow.data.sources import NIH_N_ARCHIVES
+    nih_source = {"type": "object", "additionalProperties": False,
+                  "properties": {"mirror": {"type": ["string", "null"]},
+                                 "archives": {"type": ["array", "null"], "minItems": 1, "uniqueItems": True,
+                                              "items": {"type": "integer", "minimum": 1, "maximum": NIH_N_ARCHIVES}}}}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "description": "chexflow config.yaml (generated from chexflow.config: `python -m chexflow.config`)",
@@ -356,7 +363,7 @@ def study_schema() -> dict:
                                      "pretrain_dataset": {"enum": ["fashion_mnist", "imagenet"]},
                                      "finetune_dataset": {"enum": ["nih_demo", "nih"]}}},
             "datasets": {"type": "object", "additionalProperties": False,
-                         "properties": {d: source for d in DATASETS}},
+                         "properties": {d: nih_source if d == "nih" else source for d in DATASETS}},
             "demo_release": dataclass_schema(DemoReleaseConfig),
             "shards": {"type": "object", "additionalProperties": False,
                        "properties": {d: shard_imagenet if d == "imagenet" else shard for d in DATASETS}},

@@ -7,15 +7,17 @@ import: standard library and ``chexflow.config`` only (no numpy/pandas/torch; im
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 from chexflow.config import ShardConfig
+from chexflow.data.sources import NIH_N_ARCHIVES, NIH_TABLES
 
 # Fashion-MNIST: part name -> (images file, labels file)
 FASHION_MNIST_PARTS = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "t10k": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
-NIH_ARCHIVES = 12
+NIH_ARCHIVES = NIH_N_ARCHIVES   # images_001.tar.gz ... images_012.tar.gz of the real release
 IMAGENET_VAL_PART = "val"
 IMAGENET_MAX_TRAIN_PARTS = 1000   # train_000 .. train_999: at most one part per class
 TRAIN_PART_RE = re.compile(r"train_(\d{3})")
@@ -38,13 +40,51 @@ def imagenet_parts(train_parts: int) -> list[str]:
     return [f"train_{i:03d}" for i in range(check_train_parts(train_parts))] + [IMAGENET_VAL_PART]
 
 
-def parts_of(name: str, n_archives: int | None = None, *, train_parts: int | None = None) -> list[str]:
+def check_nih_archives(archives: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A declared pilot subset of the NIH archives (1-based numbers, e.g. ``[1, 2]``), sorted;
+    ``None`` (the full release) stays ``None``."""
+    if archives is None:
+        return None
+    if isinstance(archives, (str, bytes)) or not isinstance(archives, Sequence) or not archives:
+        raise PartError(f"datasets.nih.archives: expected a non-empty list of archive numbers 1..{NIH_ARCHIVES} "
+                        f"or null (all), got {archives!r}")
+    bad = [a for a in archives if isinstance(a, bool) or not isinstance(a, int) or not 1 <= a <= NIH_ARCHIVES]
+    if bad:
+        raise PartError(f"datasets.nih.archives: {bad} not archive number(s) of the release (1..{NIH_ARCHIVES})")
+    if len(set(archives)) != len(archives):
+        raise PartError(f"datasets.nih.archives: {list(archives)} lists an archive twice")
+    return tuple(sorted(archives))
+
+
+def nih_parts(archives: Sequence[int] | None = None) -> list[str]:
+    """``images_001`` ... ``images_012``, or the parts of a declared pilot subset."""
+    chosen = check_nih_archives(archives) or range(1, NIH_ARCHIVES + 1)
+    return [f"images_{i:03d}" for i in chosen]
+
+
+def part_files(name: str, part: str) -> list[str]:
+    """The files under ``data/raw/<name>/`` that shard job ``part`` reads."""
+    if name == "fashion_mnist":
+        if part not in FASHION_MNIST_PARTS:
+            raise PartError(f"fashion_mnist has no part {part!r} (parts: {list(FASHION_MNIST_PARTS)})")
+        return list(FASHION_MNIST_PARTS[part])
+    if name == "imagenet":   # parts train_NNN (class ranges of the train tar) and val
+        archive = "ILSVRC2012_img_val.tar" if part == IMAGENET_VAL_PART else "ILSVRC2012_img_train.tar"
+        return [archive, "ILSVRC2012_devkit_t12.tar.gz"]
+    if name in ("nih", "nih_demo"):
+        return [f"{part}.tar.gz", NIH_TABLES[0]]
+    raise PartError(f"dataset {name!r}: no shard reader (known: fashion_mnist, imagenet, nih, nih_demo)")
+
+
+def parts_of(name: str, n_archives: int | None = None, *, train_parts: int | None = None,
+             archives: Sequence[int] | None = None) -> list[str]:
     """The shard jobs of a dataset: one per source archive (ImageNet: ``train_parts`` class ranges
-    of the train archive + ``val``)."""
+    of the train archive + ``val``). ``n_archives``: the generated demo release's archive count;
+    ``archives``: a declared pilot subset of the 12 NIH archives (None: all of them)."""
     if name == "fashion_mnist":
         return list(FASHION_MNIST_PARTS)
     if name == "nih":
-        return [f"images_{i:03d}" for i in range(1, NIH_ARCHIVES + 1)]
+        return nih_parts(archives)
     if name == "nih_demo":
         return [f"images_{i:03d}" for i in range(1, (n_archives or 1) + 1)]
     if name == "imagenet":

@@ -813,8 +813,10 @@ def _write_bytes_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _write_archive(path: Path, members: list[tuple[str, bytes]]) -> None:
-    """NIH-layout archive: ``images/`` then ``images/<name>``; fixed mtimes/owners: same bytes each run."""
+def write_archive(path: Path, members: list[tuple[str, bytes]]) -> None:
+    """NIH-layout archive: ``images/`` then ``images/<name>``; fixed mtimes/owners: same bytes each run.
+
+    The release's packaging, also used by tests that build a mirror in the exact NIH layout."""
     tmp = _tmp(path)
     try:
         with open(tmp, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0,
@@ -832,6 +834,15 @@ def _write_archive(path: Path, members: list[tuple[str, bytes]]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_tables(out_dir: Path, rows: pd.DataFrame, train_val: list[str], test: list[str]) -> None:
+    """The release's label file (the rows, all columns, verbatim) and its two split lists."""
+    buf = io.StringIO()
+    rows.to_csv(buf, index=False, lineterminator="\n")
+    _write_bytes_atomic(out_dir / nih.LABEL_CSV_NAME, buf.getvalue().encode())
+    _write_bytes_atomic(out_dir / "train_val_list.txt", "".join(n + "\n" for n in train_val).encode())
+    _write_bytes_atomic(out_dir / "test_list.txt", "".join(n + "\n" for n in test).encode())
 
 
 def _sha256(path: Path) -> str:
@@ -909,7 +920,7 @@ def make_release(out_dir: Path | str, *, n_images: int, image_size: int, images_
                 if bar is not None:
                     bar.update(len(got))
             name = f"images_{a:03d}.tar.gz"
-            _write_archive(out_dir / name, [(names[j], png) for j, png in zip(idx, pngs)])
+            write_archive(out_dir / name, [(names[j], png) for j, png in zip(idx, pngs)])
             archives.append(name)
     finally:
         if pool is not None:
@@ -920,17 +931,11 @@ def make_release(out_dir: Path | str, *, n_images: int, image_size: int, images_
         if stale.name not in archives:
             stale.unlink()
 
-    # label file (the real rows, all columns, verbatim)
-    buf = io.StringIO()
-    rows.to_csv(buf, index=False, lineterminator="\n")
-    _write_bytes_atomic(out_dir / nih.LABEL_CSV_NAME, buf.getvalue().encode())
-
     # patient-wise official-style split
     test_patients = split_patients(patients, test_fraction, seed, findings=_patient_findings(rows))
     test = [n for n, p in zip(names, patients) if p in test_patients]
     train_val = [n for n, p in zip(names, patients) if p not in test_patients]
-    _write_bytes_atomic(out_dir / "train_val_list.txt", "".join(n + "\n" for n in train_val).encode())
-    _write_bytes_atomic(out_dir / "test_list.txt", "".join(n + "\n" for n in test).encode())
+    write_tables(out_dir, rows, train_val, test)
 
     label_counts = {label: int(labels[:, i].sum()) for i, label in enumerate(nih.LABELS)}
     meta = {

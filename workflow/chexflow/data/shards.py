@@ -8,12 +8,21 @@ decode PNGs again.
 
 A part that crashes half-way resumes: every finished shard is recorded in ``progress.json``; a
 rerun skips decoding the samples already in finished shards and writes only the missing ones.
+Progress is keyed by the settings that shape the shards and the identity of the part's input
+files (``part_key``): shards written with other settings or from another copy of the archive are
+discarded (and logged), never resumed.
+
+The gather checks coverage: every image named in the split table must have been found in some
+archive (within ``max_missing_fraction``) unless a pilot subset of the archives was declared,
+in which case the shortfall is expected and recorded.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +31,18 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 import webdataset as wds
+from tqdm import tqdm
 
-from chexflow.config import ShardConfig
+from chexflow.config import ShardConfig, to_dict
 from chexflow.data import fashion_mnist, imagenet, nih
 from chexflow.data import parts as _parts
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
 
 SPLITS = ("train", "val", "test")
+# ShardConfig fields that do not change what a part's shards hold (thresholds checked afterwards,
+# the pilot subset, which only decides which parts exist)
+_KEY_EXCLUDED = ("max_reject_fraction", "max_missing_fraction", "archives")
+MISSING_EXAMPLES = 10
 
 
 class ShardError(RuntimeError):
@@ -42,28 +56,35 @@ class DatasetInfo:
     task: str                 # "multilabel" | "multiclass"
     labels: tuple[str, ...]
     synthetic: bool
+    split_source: str = ""    # where the train/val/test assignment comes from (shown in the report)
 
 
 def dataset_info(name: str, raw_dir: Path | None = None) -> DatasetInfo:
     """What a dataset is. ImageNet's classes come from its devkit: without ``raw_dir`` its labels
     are empty (``gather`` then takes them from the part manifests)."""
     if name == "fashion_mnist":
-        return DatasetInfo(name, "Fashion-MNIST", "multiclass", tuple(fashion_mnist.CLASSES), False)
+        return DatasetInfo(name, "Fashion-MNIST", "multiclass", tuple(fashion_mnist.CLASSES), False,
+                           "official train/test files; val carved out of train (seeded)")
     if name == "nih":
-        return DatasetInfo(name, "NIH ChestX-ray14", "multilabel", tuple(nih.LABELS), False)
+        return DatasetInfo(name, "NIH ChestX-ray14", "multilabel", tuple(nih.LABELS), False, nih.SPLIT_SOURCE)
     if name == "nih_demo":
         return DatasetInfo(name, "mini-NIH synthetic phantoms (embedded demo)", "multilabel",
-                           tuple(nih.LABELS), True)
+                           tuple(nih.LABELS), True, "the phantom release's own split lists (NIH layout)")
     if name == "imagenet":
         labels = imagenet.read_devkit(Path(raw_dir) / imagenet.DEVKIT).wnids if raw_dir is not None else ()
-        return DatasetInfo(name, "ImageNet ILSVRC2012", "multiclass", tuple(labels), False)
+        return DatasetInfo(name, "ImageNet ILSVRC2012", "multiclass", tuple(labels), False,
+                           "official ILSVRC2012 train and val sets")
     raise ShardError(f"dataset {name!r}: no shard reader (known: fashion_mnist, imagenet, nih, nih_demo)")
 
 
 # --------------------------------------------------------------------------- splits
 
-def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path) -> pd.DataFrame:
-    """Write ``splits.csv`` (image, patient, split): patient-wise, seeded, never by image."""
+def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path, *,
+                  expected: nih.ReleaseCounts | None = None) -> pd.DataFrame:
+    """Write ``splits.csv`` (image, patient, split): patient-wise, seeded, never by image.
+
+    ``nih``: the tables are first checked against the published content (``expected``, default
+    ``nih.PUBLISHED``; ``nih.verify_tables``), also for a pilot on part of the archives."""
     raw_dir = Path(raw_dir)
     if name == "fashion_mnist":
         frames = []
@@ -88,6 +109,8 @@ def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path) -> 
         labels = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
         train_val = nih.read_split_list(raw_dir / "train_val_list.txt")
         test = nih.read_split_list(raw_dir / "test_list.txt")
+        if name == "nih":
+            nih.verify_tables(labels, train_val, test, expected=expected or nih.PUBLISHED, where=f"{raw_dir}/")
         split = nih.assign_splits(labels, train_val, test, val_fraction=cfg.val_fraction,
                                   seed=cfg.split_seed)
         df = pd.DataFrame({"image": split.index, "patient": labels.loc[split.index, "patient"].values,
@@ -100,10 +123,11 @@ def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path) -> 
     return df
 
 
-def parts_of(name: str, n_archives: int | None = None, *, train_parts: int | None = None) -> list[str]:
+def parts_of(name: str, n_archives: int | None = None, *, train_parts: int | None = None,
+             archives: tuple[int, ...] | None = None) -> list[str]:
     """The shard jobs of a dataset (``chexflow.data.parts.parts_of``, errors as ``ShardError``)."""
     try:
-        return _parts.parts_of(name, n_archives, train_parts=train_parts)
+        return _parts.parts_of(name, n_archives, train_parts=train_parts, archives=archives)
     except _parts.PartError as exc:
         raise ShardError(str(exc)) from None
 
@@ -167,7 +191,7 @@ def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: S
             yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
 
     yield from _decoded(labelled(), part, wanted, rejects,
-                        lambda data, key: nih.resize_square(nih.decode_grey(data, name=key), cfg.image_size))
+                        lambda data, key: nih.decode_grey(data, name=key, size=cfg.image_size))
 
 
 def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[Sample]:
@@ -213,27 +237,71 @@ def _label_counts(targets: list[np.ndarray], info: DatasetInfo) -> dict[str, int
     return {label: int(np.nansum(arr[:, i] == 1)) for i, label in enumerate(info.labels)}
 
 
+def part_key(name: str, part: str, raw_dir: Path, splits_csv: Path, cfg: ShardConfig) -> str:
+    """Identity of what a part's shards hold: the shard settings (not the thresholds checked after
+    writing), the split table's bytes, and each input file's name, size and mtime (a new download
+    of an archive is a new input)."""
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in _KEY_EXCLUDED}
+    inputs = []
+    for fname in _parts.part_files(name, part):
+        st = (Path(raw_dir) / fname).stat()
+        inputs.append([fname, st.st_size, st.st_mtime_ns])
+    ident = {"dataset": name, "part": part, "settings": settings, "inputs": inputs,
+             "splits_sha256": sha256_file(splits_csv)}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _resumable(out_dir: Path, key: str) -> tuple[list[dict], list[dict]]:
+    """(finished shard records, rejects) of an earlier attempt with the same ``key``; the shards
+    of an attempt with another key are deleted and logged."""
+    progress_path = out_dir / "progress.json"
+    progress: dict = {}
+    if progress_path.exists():
+        try:
+            progress = json.loads(progress_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            print(f"{progress_path}: unreadable ({exc}); starting the part afresh", file=sys.stderr)
+        progress = progress if isinstance(progress, dict) else {}
+    records = progress.get("shards", [])
+    if progress.get("key") != key:
+        stale = sorted(p.name for split in SPLITS for p in out_dir.glob(f"{split}-*.tar"))
+        for fname in stale:
+            (out_dir / fname).unlink()
+        progress_path.unlink(missing_ok=True)
+        if stale:
+            was = "an attempt without a resume record" if "key" not in progress else f"key {progress['key'][:12]}"
+            print(f"{out_dir}: discarded {len(stale)} shard(s) of an earlier attempt written with other settings "
+                  f"or another copy of the input ({was}, now {key[:12]}): {stale[:5]}", file=sys.stderr)
+        return [], []
+    done = [r for r in records if (out_dir / r["file"]).exists()]
+    return done, (list(progress.get("rejects", [])) if done else [])
+
+
 def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: Path,
-               cfg: ShardConfig) -> dict:
-    """Write the shards of one source archive and its manifest; returns the manifest."""
+               cfg: ShardConfig, *, progress: bool = False) -> dict:
+    """Write the shards of one source archive and its manifest; returns the manifest.
+
+    The manifest lists, besides the shards, the listed images found in this part (``listed_found``:
+    names in the split table that were written or rejected), which ``gather`` uses to check that
+    every listed image was found in some archive. ``progress``: a tqdm bar (images) on stderr."""
     info = dataset_info(name, Path(raw_dir))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = pd.read_csv(splits_csv, dtype=str)
+    listed = set(splits["image"])
+    key = part_key(name, part, Path(raw_dir), Path(splits_csv), cfg)
     progress_path = out_dir / "progress.json"
-    progress = json.loads(progress_path.read_text()) if progress_path.exists() else {"shards": [], "rejects": []}
-    done = [s for s in progress["shards"] if (out_dir / s["file"]).exists()]
+    done, rejects = _resumable(out_dir, key)
     skip = {s: None for s in SPLITS}
     for s in done:
         skip[s["split"]] = s["last_key"]
-    rejects: list[dict] = list(progress["rejects"]) if done else []
     n_done = Counter(s["split"] for s in done)
     if done:
-        print(f"{name}/{part}: resuming, {len(done)} shard(s) already written, skipping their samples")
+        print(f"{name}/{part}: resuming, {len(done)} shard(s) already written with the same settings and "
+              "input, skipping their samples")
 
     buffers: dict[str, list[Sample]] = defaultdict(list)
     shard_records = list(done)
-    n_seen = 0
 
     def flush(split: str) -> None:
         batch = buffers.pop(split, [])
@@ -249,19 +317,22 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
         rec = {"file": fname, "split": split, "count": len(batch), "sha256": sha256_file(out_dir / fname),
                "last_key": batch[-1].key,
                "label_counts": _label_counts([b.target for b in batch], info),
-               "patients": sorted({b.patient for b in batch})}
+               "patients": sorted({b.patient for b in batch}),
+               "images": [b.key for b in batch if b.key in listed]}
         shard_records.append(rec)
-        write_text_atomic(progress_path, json.dumps({"shards": shard_records, "rejects": rejects}))
+        write_text_atomic(progress_path, json.dumps({"key": key, "shards": shard_records, "rejects": rejects}))
 
-    for smp in _iter_part(name, Path(raw_dir), part, splits, cfg, skip, rejects):
-        n_seen += 1
-        if smp.image is None:
-            continue
-        buffers[smp.split].append(smp)
-        if len(buffers[smp.split]) >= cfg.samples_per_shard:
-            flush(smp.split)
-    for split in list(buffers):
-        flush(split)
+    bar = tqdm(desc=f"{name}/{part}", unit="img", file=sys.stderr, mininterval=5.0, disable=not progress)
+    with bar:
+        for smp in _iter_part(name, Path(raw_dir), part, splits, cfg, skip, rejects):
+            bar.update()
+            if smp.image is None:
+                continue
+            buffers[smp.split].append(smp)
+            if len(buffers[smp.split]) >= cfg.samples_per_shard:
+                flush(smp.split)
+        for split in list(buffers):
+            flush(split)
 
     n_total = sum(r["count"] for r in shard_records) + len(rejects)
     reject_fraction = len(rejects) / max(n_total, 1)
@@ -269,12 +340,14 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
         raise ShardError(
             f"{name}/{part}: {len(rejects)} of {n_total} images rejected ({reject_fraction:.2%} > "
             f"max_reject_fraction {cfg.max_reject_fraction:.2%}); first: {rejects[:3]}")
+    found = sorted({i for r in shard_records for i in r["images"]} | ({r["image"] for r in rejects} & listed))
     manifest = {
         "dataset": name, "part": part, "image_size": cfg.image_size, "encoding": cfg.encoding,
-        "task": info.task, "labels": list(info.labels),
+        "task": info.task, "labels": list(info.labels), "key": key,
         "shards": [{k: r[k] for k in ("file", "split", "count", "sha256", "label_counts", "patients")}
                    for r in sorted(shard_records, key=lambda r: r["file"])],
         "rejects": rejects,
+        "listed_found": found,
     }
     write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1))
     progress_path.unlink(missing_ok=True)
@@ -282,23 +355,59 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
 
 
 def build_dataset(name: str, raw_dir: Path, out_dir: Path, cfg: ShardConfig, *,
-                  n_archives: int | None = None) -> Path:
+                  n_archives: int | None = None, expected: nih.ReleaseCounts | None = None) -> Path:
     """The whole shard stage in one process (split, every part, gather; the workflow runs these as
     separate jobs); returns the dataset manifest ``out_dir/manifest.json``."""
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
-    split_dataset(name, raw_dir, cfg, out_dir / "splits.csv")
+    split_dataset(name, raw_dir, cfg, out_dir / "splits.csv", expected=expected)
     part_manifests = []
-    for part in parts_of(name, n_archives, train_parts=cfg.train_parts):
+    for part in parts_of(name, n_archives, train_parts=cfg.train_parts, archives=cfg.archives):
         write_part(name, part, raw_dir, out_dir / "splits.csv", out_dir / "parts" / part, cfg)
         part_manifests.append(out_dir / "parts" / part / "manifest.json")
-    gather(name, part_manifests, out_dir / "manifest.json", cfg)
+    gather(name, part_manifests, out_dir / "manifest.json", cfg, splits_csv=out_dir / "splits.csv")
     return out_dir / "manifest.json"
 
 
 # --------------------------------------------------------------------------- gather
 
-def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConfig) -> dict:
-    """Combine part manifests into the dataset manifest (per split: counts, patients, shards)."""
+def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg: ShardConfig) -> dict:
+    """How many of the images named in the split table were found in the gathered parts.
+
+    Full release (``cfg.archives`` None): more than ``max_missing_fraction`` of the listed images
+    found in no archive is a ``ShardError`` naming the count and examples. A declared pilot subset
+    (``cfg.archives``) expects the shortfall; it is reported (stderr and the returned record)."""
+    table = pd.read_csv(splits_csv, dtype=str)
+    missing = ~table["image"].isin(found)
+    n_listed, n_missing = len(table), int(missing.sum())
+    examples = table.loc[missing, "image"].head(MISSING_EXAMPLES).tolist()
+    pilot = cfg.archives is not None
+    per_split = {split: {"n_listed": int(len(g)), "n_found": int((~missing[g.index]).sum())}
+                 for split, g in table.groupby("split", sort=False)}
+    fraction = n_missing / max(n_listed, 1)
+    if n_missing and not pilot and fraction > cfg.max_missing_fraction:
+        raise ShardError(
+            f"{name}: {n_missing:,} of the {n_listed:,} images named in the split lists ({fraction:.2%}) were found "
+            f"in none of the {len(parts)} archives ({parts[0]} ... {parts[-1]}), more than max_missing_fraction "
+            f"{cfg.max_missing_fraction:.2%}; e.g. {examples}. Are archives missing or truncated? For a pilot on "
+            f"part of the release, declare it (datasets.{name}.archives).")
+    if n_missing:
+        what = f"pilot on {len(parts)} archive(s) {parts}: " if pilot else ""
+        print(f"{name}: {what}{n_listed - n_missing:,} of {n_listed:,} listed images found, {n_missing:,} not "
+              f"(e.g. {examples[:3]})", file=sys.stderr)
+    return {"pilot": pilot, "archives": list(_parts.check_nih_archives(cfg.archives)) if pilot else None,
+            "parts": list(parts),
+            "n_release_parts": len(_parts.nih_parts()) if pilot else len(parts),
+            "n_listed": n_listed, "n_found": n_listed - n_missing, "n_missing": n_missing,
+            "missing_examples": examples, "per_split": per_split}
+
+
+def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConfig, *,
+           splits_csv: Path | None = None) -> dict:
+    """Combine part manifests into the dataset manifest (per split: counts, patients, shards).
+
+    With the split table (``splits_csv``, what the workflow passes) the manifest records per split
+    how many listed images there are (``n_listed``) next to those used (``n_images``), and
+    ``coverage`` (see ``coverage``: missing listed images are an error for a full release)."""
     info = dataset_info(name)
     out_path = Path(out_path)
     root = out_path.parent
@@ -307,6 +416,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
     n_images = 0
     patients: dict[str, set] = defaultdict(set)
     labels = list(info.labels)
+    found: set[str] = set()
+    part_names: list[str] = []
     for mpath in part_manifests:
         mpath = Path(mpath)
         try:
@@ -318,6 +429,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
         if list(m["labels"]) != labels:
             raise ShardError(f"{mpath}: its labels differ from the other parts' ({len(m['labels'])} vs {len(labels)})")
         n_rejects += len(m["rejects"])
+        found.update(m.get("listed_found", []))
+        part_names.append(m.get("part", mpath.parent.name))
         for sh in m["shards"]:
             rel = os.path.relpath(mpath.parent / sh["file"], root)
             if not (root / rel).exists():
@@ -333,12 +446,17 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
         raise ShardError(f"{name}: patients shared between splits {overlap}")
     if n_rejects / max(n_images + n_rejects, 1) > cfg.max_reject_fraction:
         raise ShardError(f"{name}: {n_rejects} rejects exceed max_reject_fraction {cfg.max_reject_fraction}")
+    cover = coverage(name, Path(splits_csv), found, part_names, cfg) if splits_csv is not None else None
     for split, s in splits.items():
         s["n_patients"] = len(patients[split])
         s["n_shards"] = len(s["shards"])
         s["label_counts"] = {label: int(s["label_counts"].get(label, 0)) for label in labels}
+        if cover is not None and split in cover["per_split"]:
+            s["n_listed"] = cover["per_split"][split]["n_listed"]
     manifest = {"dataset": name, "title": info.title, "synthetic": info.synthetic, "task": info.task,
                 "labels": labels, "image_size": cfg.image_size, "encoding": cfg.encoding,
-                "splits": {k: splits[k] for k in SPLITS if k in splits}, "n_rejects": n_rejects}
+                "split_source": info.split_source,
+                "splits": {k: splits[k] for k in SPLITS if k in splits}, "n_rejects": n_rejects,
+                "coverage": cover}
     write_text_atomic(out_path, json.dumps(manifest, indent=1))
     return manifest

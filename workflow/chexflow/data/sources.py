@@ -4,12 +4,23 @@ A ``Source`` lists the files of one dataset as they lie under ``data/raw/<datase
 has its official URL (or ``None`` where the data sit behind a registration or a folder link, in
 which case the user gives a *mirror*: a local directory, a ``file://`` URL or an ``http(s)``
 base URL holding the files under the same names) and, where known, its published checksums.
+
+Tests that serve a *generated* mirror of a real source (e.g. a tiny ChestX-ray14 in the exact
+release layout) cannot match the pinned checksums or the published table sizes. For them only,
+the environment variable ``CHEXFLOW_TEST_REGISTRY`` may name a JSON file that replaces those pins
+and expectations (``load_test_registry``). Nothing in ``config.yaml`` can set it; the CLI stages
+that use it print a warning naming the file.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import sys
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 ROLES = ("archive", "images", "labels", "split_list", "checksums", "devkit", "data")
 
@@ -120,6 +131,7 @@ _NIH_ARCHIVES = (
     ("ioqwiy20ihqwyr8pf4c24eazhh281pbu", "dc9fda1757c2de0032b63347a7d2895c"),
 )
 NIH_TABLES = ("Data_Entry_2017_v2020.csv", "train_val_list.txt", "test_list.txt")
+NIH_N_ARCHIVES = len(_NIH_ARCHIVES)
 
 
 def archive_name(i: int) -> str:
@@ -148,10 +160,12 @@ def _check_n_archives(source: str, n_archives: int | None, maximum: int | None) 
 
 
 def _nih(n_archives: int | None) -> Source:
-    n = _check_n_archives("nih", n_archives, len(_NIH_ARCHIVES))
+    if n_archives is not None:
+        raise ValueError(f"source 'nih' always has its {NIH_N_ARCHIVES} archives; a pilot on part of the "
+                         "release is declared with datasets.nih.archives (e.g. [1, 2])")
     archives = tuple(
         RemoteFile(archive_name(i), f"https://nihcc.box.com/shared/static/{box_id}.gz", md5=md5, role="archive")
-        for i, (box_id, md5) in enumerate(_NIH_ARCHIVES[:n], start=1))
+        for i, (box_id, md5) in enumerate(_NIH_ARCHIVES, start=1))
     return Source(name="nih", title="NIH ChestX-ray14 (NIH Clinical Center)",
                   files=archives + _nih_tables(), how_to_obtain=_NIH_HOW)
 
@@ -193,7 +207,7 @@ def get_source(name: str, *, n_archives: int | None = None) -> Source:
     """The registered source ``name``.
 
     ``n_archives``: for ``nih_demo`` (required) the number of archives of the generated release;
-    for ``nih`` (optional) use only the first ``n_archives`` of the 12; ignored by the others.
+    an error for ``nih`` (always its 12 archives); ignored by the others.
     """
     try:
         build = _REGISTRY[name]
@@ -229,3 +243,64 @@ def file_names(source: Source) -> list[str]:
 
 def archives(source: Source) -> list[RemoteFile]:
     return [f for f in source.files if f.role == "archive"]
+
+
+# --------------------------------------------------------------------------- test-only registry
+
+TEST_REGISTRY_ENV = "CHEXFLOW_TEST_REGISTRY"
+
+
+class RegistryOverrideError(ValueError):
+    """The test registry file named by CHEXFLOW_TEST_REGISTRY is malformed; names the file and key."""
+
+
+def load_test_registry(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The test-only registry override named by ``$CHEXFLOW_TEST_REGISTRY`` (None when unset).
+
+    A JSON object ``{source: {"files": {name: {"sha256": hex, "size": int}}, "content": {...}}}``:
+    ``files`` replaces the pinned checksums of those files (their md5 pins are dropped), and
+    ``content`` replaces the published content a source's tables are checked against (for
+    ``nih``: the fields of ``chexflow.data.nih.ReleaseCounts``). For tests that serve a generated
+    mirror of a real source; a warning naming the file goes to stderr whenever it is used.
+    """
+    path = (os.environ if environ is None else environ).get(TEST_REGISTRY_ENV)
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RegistryOverrideError(f"{TEST_REGISTRY_ENV}={path}: cannot read the test registry ({exc})") from exc
+    if not isinstance(data, dict):
+        raise RegistryOverrideError(f"{path}: expected a JSON object {{source: {{files, content}}}}")
+    for name, entry in data.items():
+        if name not in _REGISTRY:
+            raise RegistryOverrideError(f"{path}: unknown source {name!r}; known: {', '.join(SOURCE_NAMES)}")
+        if not isinstance(entry, dict) or set(entry) - {"files", "content"}:
+            raise RegistryOverrideError(f"{path}: {name}: expected an object with keys 'files' and/or 'content'")
+    print(f"WARNING: {TEST_REGISTRY_ENV}={path}: pinned checksums / published contents of "
+          f"{', '.join(sorted(data))} are replaced by this test registry", file=sys.stderr)
+    return data
+
+
+def with_test_pins(source: Source, registry: Mapping[str, Any] | None) -> Source:
+    """``source`` with the checksums of ``registry[source.name]["files"]`` (unchanged without one)."""
+    files = ((registry or {}).get(source.name) or {}).get("files") or {}
+    known = set(file_names(source))
+    unknown = sorted(set(files) - known)
+    if unknown:
+        raise RegistryOverrideError(f"test registry: source {source.name!r} has no file(s) {unknown}")
+    out = []
+    for f in source.files:
+        pin = files.get(f.name)
+        if pin is None:
+            out.append(f)
+            continue
+        if not isinstance(pin, dict) or set(pin) - {"sha256", "size"} or "sha256" not in pin:
+            raise RegistryOverrideError(f"test registry: {source.name}/{f.name}: expected {{sha256, size}}, got {pin!r}")
+        out.append(dataclasses.replace(f, md5=None, sha256=str(pin["sha256"]).lower(), size=pin.get("size")))
+    return dataclasses.replace(source, files=tuple(out))
+
+
+def registry_content(registry: Mapping[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """The published-content override of source ``name`` in the test registry, if any."""
+    return ((registry or {}).get(name) or {}).get("content")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Iterable, Mapping
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,14 @@ class PublishedResult:
         if self.per_label:
             return sum(self.per_label.values()) / len(self.per_label)
         return self.reported_mean
+
+    def mean_over(self, labels: Iterable[str]) -> float | None:
+        """Mean of the published per-label AUROCs over ``labels`` (the labels a run's own mean is
+        taken over); None when a label has no published value or none are given."""
+        values = [self.per_label.get(label) for label in labels]
+        if not values or any(v is None for v in values):
+            return None
+        return sum(values) / len(values)
 
 
 CHEXNET_AUROC: Mapping[str, float] = MappingProxyType({

@@ -57,7 +57,9 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
 
     per_label = M.auroc_per_label(y, s, labels)
     boot = M.bootstrap_auroc(y, s, np.asarray(patients), labels, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
-    result = {"labels": {}, "mean_auroc": M.mean_auroc(per_label), "n_images": int(len(images)),
+    defined = [label for label in labels if per_label[label] is not None]
+    result = {"labels": {}, "mean_auroc": M.mean_auroc(per_label), "mean_auroc_labels": defined,
+              "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
               "n_patients": int(len(set(patients))), "model": str(model_path),
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
               "bootstrap": {"n_resamples": cfg.bootstrap_resamples, "seed": cfg.seed,
@@ -89,7 +91,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
     rows.append({"label": "mean", "auroc": result["mean_auroc"],
                  "ci_low": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[0],
                  "ci_high": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[1],
-                 "chexnet": CHEXNET.get("mean", 0.841)})
+                 "chexnet": result["chexnet_mean_same_labels"]})
     with atomic_path(out_dir / "auroc.csv") as tmp:
         pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
     write_text_atomic(out_dir / "metrics.json", json.dumps(result, indent=1, default=float))

@@ -35,6 +35,9 @@ __all__ = ["ReportInputError", "render_report", "collect_provenance", "package_v
 
 SYNTHETIC_BANNER = ("These results are on the embedded SYNTHETIC demo data (phantoms, not real radiographs): "
                     "the numbers say nothing about real chest X-ray performance.")
+PILOT_BANNER = ("PILOT on {n_parts} of {n_release} archives of {title}: {n_found:,} of the {n_listed:,} images "
+                "named in the split lists were used. These numbers are NOT comparable with CheXNet or the other "
+                "published results.")
 
 PROVENANCE_PACKAGES = ("torch", "torchvision", "horovod", "snakemake", "scikit-learn", "numpy", "pandas",
                        "matplotlib", "jinja2", "webdataset")
@@ -301,10 +304,57 @@ def _dataset_view(name: str, manifest: dict[str, Any], path: Path) -> dict[str, 
             n = info.get("n_images") or 0
             cells.append({"count": count, "pct": (100.0 * count / n) if count is not None and n else None})
         prevalence.append({"label": plots.display_name(str(label)), "cells": cells})
+    for row, (split, info) in zip(splits, manifest["splits"].items()):
+        row["n_listed"] = info.get("n_listed")
     return {"name": name, "title": manifest.get("title", name), "synthetic": bool(manifest.get("synthetic", False)),
+            "split_source": manifest.get("split_source"), "release": _release_text(manifest),
             "task": manifest.get("task", "?"), "image_size": manifest.get("image_size"),
             "n_rejects": manifest.get("n_rejects"), "splits": splits, "split_names": list(manifest["splits"]),
             "prevalence": prevalence, "path": str(path)}
+
+
+def _release_text(manifest: dict[str, Any]) -> str:
+    """How much of the release a dataset's shards hold (from the manifest's coverage record)."""
+    cov = manifest.get("coverage")
+    if not cov:
+        return "coverage not recorded"
+    used = f"{cov['n_found']:,} of {cov['n_listed']:,} listed images"
+    if cov.get("pilot"):
+        return (f"PILOT on {len(cov['parts'])} of {cov['n_release_parts']} archives ({', '.join(cov['parts'])}): "
+                f"{used}; not comparable with published results")
+    return f"all {len(cov['parts'])} archives: {used}"
+
+
+def _run_view(config: dict[str, Any], manifests: dict[str, dict[str, Any]], pretrain: list[dict[str, Any]],
+              finetune: list[dict[str, Any]]) -> dict[str, Any]:
+    """What was run, from the config, the manifests and the training logs: architectures,
+    datasets, backends, world sizes, the split used and how much of the release."""
+    study = config.get("study") or {}
+    names = list(manifests)
+    stages = []
+    for key, what, epochs, fallback in (("pretrain", "pretraining", pretrain, names[:1]),
+                                        ("finetune", "fine-tuning", finetune, names[-1:])):
+        section = config.get(key) or {}
+        dataset = study.get(f"{key}_dataset") or (fallback[0] if fallback else None)
+        manifest = manifests.get(dataset, {})
+        world = epochs[-1].get("world_size")
+        stages.append({
+            "what": what, "dataset": dataset, "title": manifest.get("title", dataset or "unknown dataset"),
+            "arch": (section.get("model") or {}).get("arch", "unknown architecture"),
+            "backend": section.get("backend", "unknown backend"),
+            "world": "?" if world is None else world,
+            "split": manifest.get("split_source") or "not recorded",
+            "release": _release_text(manifest) if manifest else "n/a",
+        })
+    subtitle = " and ".join(f"{s['arch']} {s['what']} on {s['title']} ({s['backend']}, {s['world']} rank"
+                            f"{'' if s['world'] == 1 else 's'})" for s in stages)
+    fine = stages[-1]
+    cov = manifests.get(fine["dataset"], {}).get("coverage") or {}
+    pilot = None
+    if cov.get("pilot"):
+        pilot = PILOT_BANNER.format(n_parts=len(cov["parts"]), n_release=cov["n_release_parts"], title=fine["title"],
+                                    n_found=cov["n_found"], n_listed=cov["n_listed"])
+    return {"subtitle": subtitle, "stages": stages, "pilot_banner": pilot}
 
 
 def _training_view(epochs: list[dict[str, Any]], title: str) -> dict[str, Any]:
@@ -491,7 +541,8 @@ def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path |
     labels = list(metrics["labels"])
     pretrain = load_metrics_jsonl(Path(pretrain_metrics), "pretraining")
     finetune = load_metrics_jsonl(Path(finetune_metrics), "fine-tuning")
-    datasets = [_dataset_view(name, load_manifest(Path(p), name), Path(p)) for name, p in manifests.items()]
+    loaded = {name: load_manifest(Path(p), name) for name, p in manifests.items()}
+    datasets = [_dataset_view(name, m, Path(manifests[name])) for name, m in loaded.items()]
     synthetic = [d["name"] for d in datasets if d["synthetic"]]
     benchmarks = [load_benchmark(Path(p), stage) for stage, p in (stage_benchmarks or {}).items()]
     predictions = load_predictions(Path(predictions_csv), labels) if predictions_csv else None
@@ -514,6 +565,7 @@ def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path |
         "title": "chexflow report",
         "generated_utc": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
         "synthetic_banner": SYNTHETIC_BANNER if synthetic else None,
+        "run": _run_view(config, loaded, pretrain, finetune),
         "synthetic_datasets": synthetic,
         "datasets": datasets,
         "benchmarks": benchmarks,
