@@ -57,6 +57,7 @@ class OptimConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     nesterov: bool = True
+    backbone_lr_mult: float = 1.0     # init pretrained: backbone LR = this x the head's (ignored for random init)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class TrainConfig:
     deterministic: bool = True        # torch.use_deterministic_algorithms (CPU: bit-identical resume)
     max_steps: int | None = None      # stop after this many optimizer steps (tests, benchmarks)
     freeze: int = 0                   # leading backbone modules kept frozen (models.backbone_stages)
+    transfer_stages: int | None = None  # init pretrained: load only the leading N backbone stages (None: all)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
