@@ -147,7 +147,7 @@ def test_ablation_gain_with_paired_ci_in_summary(tmp_path):
                                          main["patient"].to_numpy(), labels, n_resamples=400, seed=0)
     lo, hi = want["ci"]
     assert want["diff"] > 0 and lo > 0       # the fixture's noise makes the gain clear
-    card = f'<div class="v">{want["diff"]:+.3f}</div> <div class="k">95% CI {lo:+.3f} – {hi:+.3f} (paired, patients resampled)</div>'
+    card = f'<div class="v">{want["diff"]:+.3f}</div> <div class="k">95% CI {lo:+.3f} &ndash; {hi:+.3f} (paired, patients resampled)</div>'
     assert card in html
     assert (f"Pretraining helps on this data: fine-tuning from the pretraining model reaches test mean AUROC "
             f"{want['mean_a']:.3f}, from random init with the same budget {want['mean_b']:.3f}; the gain "
