@@ -94,7 +94,7 @@ def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *
 
 
 def param_groups(model: torch.nn.Module, *, backbone_lr_mult: float = 1.0) -> list[dict]:
-    """The trainable parameters as optimizer groups: the backbone, then the task head.
+    """The trainable parameters as optimizer groups: the backbone, then the task head (the last group).
 
     Each group carries ``lr_mult``, its factor on the schedule's LR (:func:`schedule.make_scheduler`):
     ``backbone_lr_mult`` for the backbone (a pretrained backbone is adapted more gently than the
@@ -107,8 +107,7 @@ def param_groups(model: torch.nn.Module, *, backbone_lr_mult: float = 1.0) -> li
     for name, p in model.named_parameters():
         if p.requires_grad:
             (head if name.startswith(prefix) else backbone).append(p)
-    groups = [{"name": "backbone", "params": backbone, "lr_mult": float(backbone_lr_mult)},
-              {"name": "head", "params": head, "lr_mult": 1.0}]
+    groups = [{"params": backbone, "lr_mult": float(backbone_lr_mult)}, {"params": head, "lr_mult": 1.0}]
     return [g for g in groups if g["params"]]
 
 
