@@ -175,7 +175,8 @@ STUDY_REPORT_INPUTS = {
     "scaling": {"scaling_csv": "results/scaling/scaling.csv", "scaling_plot": "results/scaling/scaling.png"},
     "sweep": {"sweep_table": "results/sweep/trials.csv", "sweep_selection": "results/sweep/selection.json",
               "sweep_metrics": "results/sweep/evaluate/metrics.json"},
-    "ablation": {"ablation_metrics": "results/ablation/evaluate/metrics.json"},
+    "ablation": {"ablation_metrics": "results/ablation/evaluate/metrics.json",
+                 "ablation_predictions": "results/ablation/evaluate/predictions.csv"},
 }
 
 

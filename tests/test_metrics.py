@@ -236,3 +236,30 @@ def test_published_numbers():
     except ImportError:
         pytest.skip("chexflow.data.nih not available yet")
     assert list(published.CHEXNET_AUROC) == list(LABELS)
+
+
+def test_paired_bootstrap_auroc_diff_is_paired_and_matches_point_estimates():
+    rng = np.random.default_rng(3)
+    n, labels = 400, ["a", "b", "c"]
+    groups = np.repeat(np.arange(100), 4)
+    y = (rng.random((n, 3)) < 0.3).astype(float)
+    y[rng.random((n, 3)) < 0.05] = np.nan
+    base = rng.normal(size=(n, 3))
+    better = np.nan_to_num(y) * 1.0 + base          # same noise, more signal: A beats B on every resample
+    worse = np.nan_to_num(y) * 0.5 + base
+    res = M.paired_bootstrap_auroc_diff(y, better, worse, groups, labels, n_resamples=300, seed=0)
+    ma = M.mean_auroc(M.auroc_per_label(y, better, labels))
+    mb = M.mean_auroc(M.auroc_per_label(y, worse, labels))
+    assert res["diff"] == pytest.approx(ma - mb) and res["mean_a"] == pytest.approx(ma)
+    lo, hi = res["ci"]
+    assert 0 < lo < res["diff"] < hi and res["p_le_0"] == 0.0
+    assert res["n_patients"] == 100 and res["labels_used"] == labels
+    # paired: narrower than what the two unpaired CIs suggest
+    ua = M.bootstrap_auroc(y, better, groups, labels, n_resamples=300, seed=0)["mean_auroc_ci"]
+    ub = M.bootstrap_auroc(y, worse, groups, labels, n_resamples=300, seed=0)["mean_auroc_ci"]
+    assert hi - lo < 0.5 * ((ua[1] - ua[0]) + (ub[1] - ub[0]))
+    # the same scores: no difference on any resample
+    same = M.paired_bootstrap_auroc_diff(y, worse, worse, groups, labels, n_resamples=50, seed=0)
+    assert same["diff"] == 0.0 and same["ci"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="shape"):
+        M.paired_bootstrap_auroc_diff(y, better[:10], worse, groups, labels)

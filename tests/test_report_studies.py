@@ -89,3 +89,77 @@ def test_missing_study_input_is_named(tmp_path):
         render.render_report(tmp_path / "r.html", **inputs, **studies)
     with pytest.raises(render.ReportInputError, match="both"):
         render.render_report(tmp_path / "r.html", **inputs, sweep_table=studies["sweep_table"])
+
+
+def test_scaling_plot_has_integer_rank_ticks_and_report_names_shared_cores(tmp_path):
+    points = []
+    for w, ips in ((1, 100.0), (2, 101.0), (3, 99.0)):
+        p = tmp_path / f"world{w}.json"
+        p.write_text(json.dumps({"world_size": w, "images_per_sec": ips, "images_per_sec_per_rank": ips / w,
+                                 "per_rank": [ips / w] * w, "measured_epoch_s": 5.0, "time_per_epoch_s": 60.0,
+                                 "epoch_images": 6000, "steps_per_rank": 10, "batch_per_rank": 8, "global_batch": 8 * w,
+                                 "nodes": 1, "ranks_per_node": w, "cores_per_node": 2, "threads_per_rank": max(1, 2 // w)}))
+        points.append(p)
+    df = scaling.summarize([json.loads(p.read_text()) for p in points])
+    ticks = scaling.figure(df).axes[0].get_xticks()
+    assert list(ticks) == [1.0, 2.0, 3.0]                         # no 1.2, 1.4, ... between ranks
+    d = tmp_path / "s"
+    d.mkdir()
+    scaling.write_summary(points, out_csv=d / "scaling.csv", out_json=d / "scaling.json", out_png=d / "scaling.png")
+    inputs = _make_inputs(tmp_path)
+    out = tmp_path / "r.html"
+    render.render_report(out, **inputs, scaling_csv=d / "scaling.csv", scaling_plot=d / "scaling.png")
+    html = " ".join(out.read_text().split())
+    assert "up to 3 ranks shared its 2 CPU core(s)" in html
+    assert "(threads per rank: 1 rank(s) &times; 2, 2 rank(s) &times; 1, 3 rank(s) &times; 1)" in html
+
+
+def test_ablation_gain_with_paired_ci_in_summary(tmp_path):
+    """The summary states pretrained - random with the paired patient-bootstrap CI of real predictions."""
+    import numpy as np
+    import pandas as pd
+
+    from chexflow.evaluate import metrics as M
+    inputs = _make_inputs(tmp_path)
+    main = pd.read_csv(inputs["predictions_csv"], dtype={"image": str, "patient": str})
+    labels = list(json.loads(inputs["metrics_json"].read_text())["labels"])
+    rng = np.random.default_rng(7)
+    other = main.copy()
+    for lab in labels:          # the random-init run: the same images, noisier scores
+        other[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=0.6, size=len(main))
+    other = other.iloc[::-1]    # row order must not matter (matched by image)
+    abl_dir = tmp_path / "abl"
+    abl_dir.mkdir()
+    other.to_csv(abl_dir / "predictions.csv", index=False)
+    per = M.auroc_per_label(other[labels].to_numpy(float), other[[f"{l}_score" for l in labels]].to_numpy(float), labels)
+    abl_metrics = json.loads(inputs["metrics_json"].read_text())
+    abl_metrics["mean_auroc"] = M.mean_auroc(per)
+    (abl_dir / "metrics.json").write_text(json.dumps(abl_metrics))
+    inputs["config"] = {"finetune": {"init": "pretrained"}, "evaluate": {"bootstrap_resamples": 400, "seed": 0}}
+    out = tmp_path / "r.html"
+    render.render_report(out, **inputs, ablation_metrics=abl_dir / "metrics.json",
+                         ablation_predictions=abl_dir / "predictions.csv")
+    html = " ".join(out.read_text().split())
+    y = main[labels].to_numpy(float)
+    other = other.set_index("image").loc[main["image"]]
+    want = M.paired_bootstrap_auroc_diff(y, main[[f"{l}_score" for l in labels]].to_numpy(float),
+                                         other[[f"{l}_score" for l in labels]].to_numpy(float),
+                                         main["patient"].to_numpy(), labels, n_resamples=400, seed=0)
+    lo, hi = want["ci"]
+    assert want["diff"] > 0 and lo > 0       # the fixture's noise makes the gain clear
+    card = f'<div class="v">{want["diff"]:+.3f}</div> <div class="k">95% CI {lo:+.3f} &ndash; {hi:+.3f} (paired, patients resampled)</div>'
+    assert card in html
+    assert (f"Pretraining helps on this data: fine-tuning from the pretraining model reaches test mean AUROC "
+            f"{want['mean_a']:.3f}, from random init with the same budget {want['mean_b']:.3f}; the gain "
+            f"{want['diff']:+.3f} has a 95% CI of {lo:+.3f} to {hi:+.3f}") in html
+    assert _table(out.read_text(), "ablation-table")["tfoot"][0][2] == f"{lo:+.3f} – {hi:+.3f} (paired)"
+    # the other way round (random init better): said plainly, not implied as a gain
+    render.render_report(out, **{**inputs, "config": {**inputs["config"], "finetune": {"init": "random"}}},
+                         ablation_metrics=abl_dir / "metrics.json", ablation_predictions=abl_dir / "predictions.csv")
+    html = " ".join(out.read_text().split())
+    assert "Pretraining HURTS on this data" in html and f"{-want['diff']:+.3f}" in html
+    # predictions of other images than the main run's are refused by name
+    other.reset_index().iloc[:-3].to_csv(abl_dir / "predictions.csv", index=False)
+    with pytest.raises(render.ReportInputError, match="other test images"):
+        render.render_report(out, **inputs, ablation_metrics=abl_dir / "metrics.json",
+                             ablation_predictions=abl_dir / "predictions.csv")

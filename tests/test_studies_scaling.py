@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 
 import pandas as pd
@@ -79,6 +80,9 @@ def test_scaling_rules_world_1_and_2(tmp_path, demo_manifest):
         point = json.loads((tmp_path / f"results/scaling/world{w}/throughput.json").read_text())
         assert point["world_size"] == w and len(point["per_rank"]) == w
         assert point["threads_per_rank"] == 1             # max(1, job cores // local ranks)
+        # where the ranks ran (the report says how many cores they shared on one machine)
+        assert point["nodes"] == 1 and point["ranks_per_node"] == w
+        assert point["cores_per_node"] == len(os.sched_getaffinity(0))
         hist = [json.loads(x) for x in (tmp_path / f"results/scaling/world{w}/metrics.jsonl").read_text().splitlines()]
         assert len(hist) == 2 and all(h["step"] == 4 * (i + 1) for i, h in enumerate(hist))
         assert (tmp_path / f"benchmarks/scaling/world{w}.tsv").is_file()

@@ -144,3 +144,50 @@ def test_load_backbone_wrong_arch_fails():
     ft = build_model("resnet18", in_channels=1, num_outputs=14)
     with pytest.raises(ValueError, match="no pretrained tensor"):
         load_backbone(ft, pre.state_dict())
+
+
+def test_param_groups_backbone_and_head_lr_at_given_steps():
+    """A pretrained backbone at backbone_lr_mult x the schedule's LR, the new head at 1x, at every step."""
+    from chexflow.train.models import head_prefix, param_groups
+    model = build_model("resnet18", in_channels=1, num_outputs=14)
+    groups = param_groups(model, backbone_lr_mult=0.1)
+    assert [g["lr_mult"] for g in groups] == [0.1, 1.0]            # backbone, head
+    head = [p for n, p in model.named_parameters() if n.startswith(head_prefix(model))]
+    assert len(groups[1]["params"]) == len(head) == 2 and all(a is b for a, b in zip(groups[1]["params"], head))
+    assert len(groups[0]["params"]) + 2 == len(list(model.parameters()))
+    kw = dict(optim=OptimConfig(name="adam", lr=1e-3, reference_batch=32),
+              sched=ScheduleConfig(warmup_epochs=1, decay="cosine"), batch_size=16, world=2,
+              steps_per_epoch=10, epochs=4)
+    opt = torch.optim.Adam(groups, lr=1.0)
+    s = make_scheduler(opt, **kw)
+    seen = {}
+    for step in range(40):
+        seen[step] = (opt.param_groups[0]["lr"], opt.param_groups[1]["lr"])
+        opt.step()
+        s.step()
+    # warmup from 5e-4 (one rank's LR) to 1e-3 over 10 steps, then cosine to 0
+    assert seen[0] == (pytest.approx(5e-5), pytest.approx(5e-4))
+    assert seen[10] == (pytest.approx(1e-4), pytest.approx(1e-3))
+    assert seen[25] == (pytest.approx(5e-5), pytest.approx(5e-4))
+    # frozen stages are left out; a non-positive multiplier is refused by name
+    from chexflow.train.models import freeze_backbone
+    freeze_backbone(model, 6)
+    only = param_groups(model, backbone_lr_mult=0.1)
+    assert len(only) == 1 and only[0]["lr_mult"] == 1.0 and len(only[0]["params"]) == 2     # the head
+    with pytest.raises(ValueError, match="backbone_lr_mult"):
+        param_groups(model, backbone_lr_mult=0.0)
+
+
+def test_load_backbone_transfer_stages_keeps_later_stages_random():
+    pre = build_model("resnet18", in_channels=1, num_outputs=10)
+    torch.manual_seed(1)
+    ft = build_model("resnet18", in_channels=1, num_outputs=14)
+    before = {k: v.clone() for k, v in ft.state_dict().items()}
+    loaded = load_backbone(ft, pre.state_dict(), stages=3)       # conv1, bn1, layer1
+    assert loaded and all(k.split(".")[0] in ("conv1", "bn1", "layer1") for k in loaded)
+    sd = ft.state_dict()
+    assert torch.equal(sd["layer1.0.conv1.weight"], pre.state_dict()["layer1.0.conv1.weight"])
+    assert torch.equal(sd["layer2.0.conv1.weight"], before["layer2.0.conv1.weight"])
+    assert not torch.equal(sd["layer2.0.conv1.weight"], pre.state_dict()["layer2.0.conv1.weight"])
+    with pytest.raises(ValueError, match="transfer_stages: 7 is outside 1..6"):
+        load_backbone(ft, pre.state_dict(), stages=7)

@@ -44,9 +44,10 @@ def test_dry_run_dag_has_every_stage_in_order(tmp_path):
     assert counts["write_shards"] == 2 + 3       # fashion_mnist train/t10k + 3 demo archives
     assert counts["download_file"] == 4 + 6      # 4 Fashion-MNIST files + demo release files
     assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == 1
-    # the optional studies are off by default: no scaling, sweep or ablation job
-    for rule in ("scale_pretrain", "summarize_scaling", "sweep_trial", "select_sweep", "evaluate_sweep_winner",
-                 "finetune_ablation", "evaluate_ablation"):
+    # the ablation (pretrained vs random init) is the demo's headline: on by default; scaling and sweep are off
+    assert counts["finetune_ablation"] == counts["evaluate_ablation"] == 1
+    assert "--ablation-predictions results/ablation/evaluate/predictions.csv" in dry.stdout
+    for rule in ("scale_pretrain", "summarize_scaling", "sweep_trial", "select_sweep", "evaluate_sweep_winner"):
         assert rule not in counts, rule
 
 
@@ -86,6 +87,9 @@ def test_end_to_end_tiny(tmp_path):
     assert len(pre) == 2 and pre[-1]["val_metric"] > 0.2 and pre[-1]["world_size"] == 2
     assert pre[-1]["train_loss"] < pre[0]["train_loss"]
     assert "Pretraining" in html or "pretraining" in html
+    # the default ablation: the summary states the gain of pretraining with its paired CI and a verdict
+    assert 'id="pretraining-gain"' in html and "(paired, patients resampled)" in html
+    assert re.search(r'id="pretraining-verdict"[^>]*>\s*(Pretraining helps|Pretraining HURTS|No gain of pretraining)', html)
     # a second run has nothing to do
     again = snakemake(tmp_path, "--configfile", str(cfgfile))
     assert again.returncode == 0

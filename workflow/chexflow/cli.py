@@ -109,7 +109,7 @@ def cmd_report(args) -> None:
                   provenance=collect_provenance(args.repo), stage_benchmarks={k: Path(v) for k, v in benches.items()},
                   scaling_csv=args.scaling_csv, scaling_plot=args.scaling_plot, sweep_table=args.sweep_table,
                   sweep_selection=args.sweep_selection, sweep_metrics=args.sweep_metrics,
-                  ablation_metrics=args.ablation_metrics)
+                  ablation_metrics=args.ablation_metrics, ablation_predictions=args.ablation_predictions)
 
 
 def cmd_scale_point(args) -> None:
@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-selection", type=Path, default=None)
     p.add_argument("--sweep-metrics", type=Path, default=None, help="test metrics.json of the sweep winner")
     p.add_argument("--ablation-metrics", type=Path, default=None, help="test metrics.json of the ablation run")
+    p.add_argument("--ablation-predictions", type=Path, default=None,
+                   help="test predictions.csv of the ablation run (paired CI of the gain)")
     p.set_defaults(func=cmd_report)
     return ap
 

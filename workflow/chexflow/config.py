@@ -58,6 +58,7 @@ class OptimConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     nesterov: bool = True
+    backbone_lr_mult: float = 1.0     # init pretrained: backbone LR = this x the head's (ignored for random init)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class TrainConfig:
     # at the same step. Periodic checkpoints and epoch ends are always checked.
     check_every_steps: int = 20
     freeze: int = 0                   # leading backbone modules kept frozen (models.backbone_stages)
+    transfer_stages: int | None = None  # init pretrained: load only the leading N backbone stages (None: all)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -22,6 +22,7 @@ __all__ = [
     "mean_auroc",
     "patient_resample_counts",
     "bootstrap_auroc",
+    "paired_bootstrap_auroc_diff",
     "youden_threshold",
     "operating_point",
     "top1_accuracy",
@@ -198,6 +199,59 @@ def bootstrap_auroc(y_true: np.ndarray, y_score: np.ndarray, groups: Sequence[An
         "n_patients": int(counts.shape[1]),
         "n_images": int(y_true.shape[0]),
     }
+
+
+def paired_bootstrap_auroc_diff(y_true: np.ndarray, score_a: np.ndarray, score_b: np.ndarray,
+                                groups: Sequence[Any], labels: Sequence[str], *, n_resamples: int = 1000,
+                                seed: int = 0, alpha: float = 0.05, chunk_size: int = 256) -> dict[str, Any]:
+    """Paired patient-level bootstrap of the mean-AUROC difference ``A - B`` on the same images.
+
+    Both models are scored on the same resample (the same patients drawn), so the variation the
+    two share (which patients are in the test set) cancels in the difference. The mean AUROC of
+    a resample is over the labels defined in both point estimates and in that resample.
+
+    Returns ``{"diff", "ci": [low, high] or None, "p_le_0" (share of resamples with A - B <= 0),
+    "mean_a", "mean_b", "n_resamples_used", "n_resamples", "alpha", "seed", "n_patients",
+    "n_images", "labels_used"}``.
+    """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    y_true, score_a = _check_2d(y_true, score_a, labels)
+    _, score_b = _check_2d(y_true, score_b, labels)
+    groups = np.asarray(groups)
+    if groups.shape[0] != y_true.shape[0]:
+        raise ValueError(f"groups has {groups.shape[0]} entries but there are {y_true.shape[0]} images")
+    point_a = auroc_per_label(y_true, score_a, labels)
+    point_b = auroc_per_label(y_true, score_b, labels)
+    used = [j for j, lab in enumerate(labels) if point_a[lab] is not None and point_b[lab] is not None]
+    if not used:
+        raise ValueError("no label has both classes in y_true: the AUROC difference is undefined")
+    patient_index, counts = patient_resample_counts(groups, n_resamples, np.random.default_rng(seed))
+    diff = np.full((n_resamples, len(used)), np.nan)
+    for k, j in enumerate(used):
+        known = ~np.isnan(y_true[:, j])
+        t, pidx = y_true[known, j], patient_index[known]
+        for b0 in range(0, n_resamples, chunk_size):
+            w = counts[b0:b0 + chunk_size][:, pidx].astype(np.float64)
+            diff[b0:b0 + chunk_size, k] = (_weighted_auroc_batch(t, score_a[known, j], w)
+                                           - _weighted_auroc_batch(t, score_b[known, j], w))
+    with warnings.catch_warnings():  # all-NaN rows (every label skipped) -> NaN, silently
+        warnings.simplefilter("ignore", RuntimeWarning)
+        per_resample = np.nanmean(diff, axis=1)
+    per_resample = per_resample[~np.isnan(per_resample)]
+    mean_a = float(np.mean([point_a[labels[j]] for j in used]))
+    mean_b = float(np.mean([point_b[labels[j]] for j in used]))
+    ci = None
+    if per_resample.size:
+        lo, hi = np.percentile(per_resample, [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)])
+        ci = [float(lo), float(hi)]
+    return {"diff": mean_a - mean_b, "ci": ci,
+            "p_le_0": float(np.mean(per_resample <= 0.0)) if per_resample.size else None,
+            "mean_a": mean_a, "mean_b": mean_b, "n_resamples_used": int(per_resample.size),
+            "n_resamples": n_resamples, "alpha": alpha, "seed": seed, "n_patients": int(counts.shape[1]),
+            "n_images": int(y_true.shape[0]), "labels_used": [labels[j] for j in used]}
 
 
 # --------------------------------------------------------------------------- thresholds

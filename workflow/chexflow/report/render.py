@@ -28,7 +28,7 @@ import yaml
 from sklearn.metrics import auc, roc_curve
 
 from chexflow.evaluate import published
-from chexflow.evaluate.metrics import operating_point, youden_threshold
+from chexflow.evaluate.metrics import operating_point, paired_bootstrap_auroc_diff, youden_threshold
 from chexflow.report import plots
 
 __all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions"]
@@ -490,7 +490,21 @@ def _scaling_view(csv: Path, plot: Path | None) -> dict[str, Any]:
     df = _read_csv(csv, "scaling table", ("world_size", "images_per_sec", "images_per_sec_per_rank", "speedup",
                                           "efficiency", "time_per_epoch_s"))
     return {"rows": _records(df), "plot": _png_data_uri(plot, "scaling plot") if plot else None,
-            "baseline": int(df["world_size"].min()), "path": str(csv)}
+            "baseline": int(df["world_size"].min()), "path": str(csv), "one_machine": _one_machine(df)}
+
+
+def _one_machine(df: pd.DataFrame) -> dict[str, Any] | None:
+    """The cores the ranks shared when every world size ran on one machine (None: unknown or several nodes)."""
+    if not {"nodes", "cores_per_node"} <= set(df.columns):
+        return None
+    nodes = pd.to_numeric(df["nodes"], errors="coerce")
+    cores = pd.to_numeric(df["cores_per_node"], errors="coerce")
+    if nodes.isna().any() or cores.isna().any() or (nodes != 1).any() or cores.nunique() != 1:
+        return None
+    threads = pd.to_numeric(df.get("threads_per_rank"), errors="coerce") if "threads_per_rank" in df else None
+    return {"cores": int(cores.iloc[0]), "max_world": int(df["world_size"].max()),
+            "threads": None if threads is None or threads.isna().any()
+            else {int(w): int(t) for w, t in zip(df["world_size"], threads)}}
 
 
 def _sweep_view(table_csv: Path, selection_json: Path, winner_metrics: Path | None) -> dict[str, Any]:
@@ -507,7 +521,11 @@ def _sweep_view(table_csv: Path, selection_json: Path, winner_metrics: Path | No
             "test_mean_auroc_ci": None if test is None else test["mean_auroc_ci"]}
 
 
-def _ablation_view(main: dict[str, Any], other: dict[str, Any], config: dict) -> dict[str, Any]:
+def _ablation_view(main: dict[str, Any], other: dict[str, Any], config: dict,
+                   main_predictions: pd.DataFrame | None = None,
+                   other_predictions: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Pretrained vs random init; with both runs' predictions, the paired patient-bootstrap CI of the
+    difference of test mean AUROC (pretrained - random) on the same images, and its verdict."""
     main_init = str((config.get("finetune") or {}).get("init", "pretrained"))
     other_init = "random" if main_init == "pretrained" else "pretrained"
     names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}
@@ -522,7 +540,36 @@ def _ablation_view(main: dict[str, Any], other: dict[str, Any], config: dict) ->
         diff = by_init["pretrained"] - by_init["random"]
     per_label = [{"display": plots.display_name(lab), "main": main["labels"][lab]["auroc"],
                   "other": other["labels"].get(lab, {}).get("auroc")} for lab in main["labels"]]
-    return {"rows": rows, "diff": diff, "per_label": per_label, "main_init": main_init, "other_init": other_init}
+    paired = None
+    if main_predictions is not None and other_predictions is not None:
+        paired = _paired_gain(main_predictions, other_predictions, list(main["labels"]), config,
+                              main_is_pretrained=main_init == "pretrained")
+    return {"rows": rows, "diff": diff, "per_label": per_label, "main_init": main_init, "other_init": other_init,
+            "paired": paired}
+
+
+def _paired_gain(main: pd.DataFrame, other: pd.DataFrame, labels: list[str], config: dict, *,
+                 main_is_pretrained: bool) -> dict[str, Any]:
+    """Gain of pretraining (pretrained - random test mean AUROC) with its paired bootstrap CI."""
+    key = ["image", "patient"]
+    if len(main) != len(other) or set(map(tuple, main[key].to_numpy())) != set(map(tuple, other[key].to_numpy())):
+        raise ReportInputError("the ablation's predictions.csv holds other test images than the main run's: "
+                               "the paired comparison needs the same test split")
+    other = other.set_index("image").loc[main["image"]].reset_index()
+    pre, rnd = (main, other) if main_is_pretrained else (other, main)
+    ev = config.get("evaluate") or {}
+    res = paired_bootstrap_auroc_diff(main[labels].to_numpy(float), pre[[f"{lab}_score" for lab in labels]].to_numpy(float),
+                                      rnd[[f"{lab}_score" for lab in labels]].to_numpy(float), main["patient"].to_numpy(),
+                                      labels, n_resamples=int(ev.get("bootstrap_resamples", 1000)),
+                                      seed=int(ev.get("seed", 0)))
+    lo, hi = res["ci"] if res["ci"] else (None, None)
+    if lo is not None and lo > 0:
+        verdict = "helps"
+    elif hi is not None and hi < 0:
+        verdict = "hurts"
+    else:
+        verdict = "inconclusive"
+    return {**res, "ci_low": lo, "ci_high": hi, "verdict": verdict}
 
 
 # --------------------------------------------------------------------------- entry point
@@ -531,10 +578,11 @@ def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path |
                   stage_benchmarks: dict[str, Path] | None = None, scaling_csv: Path | None = None,
                   scaling_plot: Path | None = None, sweep_table: Path | None = None,
                   sweep_selection: Path | None = None, sweep_metrics: Path | None = None,
-                  ablation_metrics: Path | None = None) -> None:
+                  ablation_metrics: Path | None = None, ablation_predictions: Path | None = None) -> None:
     """Write the self-contained HTML report to ``out_html`` (atomically).
 
-    The study sections (scaling, sweep, ablation) appear when their inputs are given.
+    The study sections (scaling, sweep, ablation) appear when their inputs are given; with both runs'
+    predictions the ablation's gain gets its paired CI, also stated in the summary.
     """
     out_html = Path(out_html)
     metrics = load_metrics_json(Path(metrics_json))
@@ -553,7 +601,11 @@ def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path |
     scaling_view = _scaling_view(Path(scaling_csv), Path(scaling_plot) if scaling_plot else None) if scaling_csv else None
     sweep_view = _sweep_view(Path(sweep_table), Path(sweep_selection),
                              Path(sweep_metrics) if sweep_metrics else None) if sweep_table else None
-    ablation_view = _ablation_view(metrics, load_metrics_json(Path(ablation_metrics)), config) if ablation_metrics else None
+    if ablation_predictions is not None and (ablation_metrics is None or predictions is None):
+        raise ReportInputError("the ablation's predictions need its metrics.json and the main run's predictions.csv")
+    ablation_view = _ablation_view(
+        metrics, load_metrics_json(Path(ablation_metrics)), config, predictions,
+        load_predictions(Path(ablation_predictions), labels) if ablation_predictions else None) if ablation_metrics else None
 
     rows = _auroc_rows(metrics)
     prov = dict(provenance)

@@ -23,7 +23,8 @@ from chexflow.fsutil import atomic_path, write_text_atomic
 
 COLUMNS = ["world_size", "images_per_sec", "images_per_sec_per_rank", "speedup", "ideal_speedup",
            "efficiency", "time_per_epoch_s", "measured_epoch_s", "steps_per_rank", "batch_per_rank",
-           "global_batch", "epoch_images"]
+           "global_batch", "epoch_images", "nodes", "ranks_per_node", "cores_per_node", "threads_per_rank"]
+PLACEMENT = ("nodes", "ranks_per_node", "cores_per_node", "threads_per_rank")   # where the ranks ran
 
 
 class ScalingError(ValueError):
@@ -100,6 +101,9 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
             point = throughput_point(history, world=world, scaling=scaling,
                                      n_epoch_images=epoch_images(pretrain, data.read_manifest(manifest)))
             point["threads_per_rank"] = int(os.environ.get("OMP_NUM_THREADS", 0)) or None
+            point["ranks_per_node"] = backend.local_size
+            point["nodes"] = -(-world // max(backend.local_size, 1))
+            point["cores_per_node"] = len(os.sched_getaffinity(0))    # the cores the node's ranks share
             write_text_atomic(out_dir / "throughput.json", json.dumps(point, indent=1))
             print(json.dumps(point), flush=True)
     finally:
@@ -115,6 +119,9 @@ def summarize(points: list[dict]) -> pd.DataFrame:
     df = pd.DataFrame(points).sort_values("world_size").reset_index(drop=True)
     if df["world_size"].duplicated().any():
         raise ScalingError(f"world sizes measured twice: {sorted(df['world_size'])}")
+    for col in PLACEMENT:       # points written before these were recorded
+        if col not in df.columns:
+            df[col] = None
     base = df.iloc[0]
     df["speedup"] = df["images_per_sec"] / base["images_per_sec"]
     df["ideal_speedup"] = df["world_size"] / base["world_size"]
@@ -124,6 +131,13 @@ def summarize(points: list[dict]) -> pd.DataFrame:
 
 def plot(df: pd.DataFrame, out_png: Path) -> None:
     """Throughput (measured vs ideal) and scaling efficiency against the world size, as PNG."""
+    fig = figure(df)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+
+
+def figure(df: pd.DataFrame):
+    """The matplotlib Figure of :func:`plot`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -133,6 +147,7 @@ def plot(df: pd.DataFrame, out_png: Path) -> None:
     w = df["world_size"].to_numpy()
     ax1.plot(w, df["images_per_sec"], "-o", color="#1f6fb4", label="measured")
     ax1.plot(w, df["images_per_sec"].iloc[0] * df["ideal_speedup"], "--", color="#9a9a9a", label="ideal (linear)")
+    ax1.set_xticks(w)          # ranks are whole numbers: a tick per measured world size only
     ax1.set_xlabel("ranks (world size)")
     ax1.set_ylabel("images/s (all ranks)")
     ax1.set_title("Pretraining throughput")
@@ -146,8 +161,7 @@ def plot(df: pd.DataFrame, out_png: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(out_png) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
+    return fig
 
 
 def write_summary(point_files: list[Path], *, out_csv: Path, out_json: Path, out_png: Path) -> pd.DataFrame:

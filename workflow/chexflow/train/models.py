@@ -57,17 +57,27 @@ def head_prefix(model: torch.nn.Module) -> str:
     return name.rsplit(".", 1)[0] + "." if name.endswith(".1") else name + "."
 
 
-def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
+def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *,
+                  stages: int | None = None) -> list[str]:
     """Copy backbone weights (everything but the head) from a pretrained state dict.
 
-    The stem is adapted when the pretrained model saw a different number of channels. Returns the
-    names of the tensors loaded; raises if nothing matches (wrong architecture).
+    ``stages``: only the first ``stages`` backbone stages (:func:`backbone_stages`) are loaded, the
+    later ones keep their random init (None: the whole backbone). The stem is adapted when the
+    pretrained model saw a different number of channels. Returns the names of the tensors loaded;
+    raises if nothing matches (wrong architecture).
     """
     prefix = head_prefix(model)
     own = model.state_dict()
+    keep = None
+    if stages is not None:
+        all_stages = backbone_stages(model)
+        if stages < 1 or stages > len(all_stages):
+            raise ModelError(f"transfer_stages: {stages} is outside 1..{len(all_stages)} "
+                             f"(stages: {', '.join(s for s, _ in all_stages)})")
+        keep = tuple(f"{name}." for name, _ in all_stages[:stages])
     loaded = []
     for key, value in state_dict.items():
-        if key.startswith(prefix) or key not in own:
+        if key.startswith(prefix) or key not in own or (keep is not None and not key.startswith(keep)):
             continue
         if own[key].shape != value.shape:
             if value.dim() == 4 and own[key].shape[1] != value.shape[1] and own[key].shape[0] == value.shape[0]:
@@ -81,6 +91,24 @@ def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -
         raise ModelError("no pretrained tensor matches this model (different model.arch?)")
     model.load_state_dict(own)
     return loaded
+
+
+def param_groups(model: torch.nn.Module, *, backbone_lr_mult: float = 1.0) -> list[dict]:
+    """The trainable parameters as optimizer groups: the backbone, then the task head (the last group).
+
+    Each group carries ``lr_mult``, its factor on the schedule's LR (:func:`schedule.make_scheduler`):
+    ``backbone_lr_mult`` for the backbone (a pretrained backbone is adapted more gently than the
+    new head learns), 1.0 for the head. Frozen parameters are left out; an empty group is dropped.
+    """
+    if backbone_lr_mult <= 0:
+        raise ModelError(f"optim.backbone_lr_mult must be > 0, got {backbone_lr_mult}")
+    prefix = head_prefix(model)
+    backbone, head = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (head if name.startswith(prefix) else backbone).append(p)
+    groups = [{"params": backbone, "lr_mult": float(backbone_lr_mult)}, {"params": head, "lr_mult": 1.0}]
+    return [g for g in groups if g["params"]]
 
 
 def backbone_stages(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

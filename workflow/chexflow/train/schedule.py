@@ -37,11 +37,17 @@ def lr_at(step: int, *, optim: OptimConfig, sched: ScheduleConfig, batch_size: i
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, **kw) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR whose factor reproduces :func:`lr_at` (the optimizer's base LR is 1.0)."""
+    """A LambdaLR whose factor reproduces :func:`lr_at` (the optimizer's base LR is 1.0), times the
+    group's ``lr_mult`` (:func:`chexflow.train.models.param_groups`; 1.0 when absent)."""
     for group in optimizer.param_groups:
         group["lr"] = 1.0
         group["initial_lr"] = 1.0
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **kw))
+
+    def factor(mult: float):
+        return lambda step: mult * lr_at(step, **kw)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [factor(float(g.get("lr_mult", 1.0)))
+                                                         for g in optimizer.param_groups])
 
 
 def set_scheduler_step(sched: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:

@@ -34,7 +34,7 @@ from chexflow.fsutil import sha256_file, write_text_atomic
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.distributed import Backend, backend_for, gather_arrays
 from chexflow.train.losses import task_loss
-from chexflow.train.models import build_model, freeze_backbone, load_backbone
+from chexflow.train.models import build_model, freeze_backbone, load_backbone, param_groups
 from chexflow.train.schedule import make_scheduler, scaled_lr, set_scheduler_step
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
@@ -169,7 +169,8 @@ class Trainer:
             self.frozen = [model.get_submodule(n) for n in names]
             _log(backend, f"frozen backbone stages (weights and BatchNorm statistics): {', '.join(names)}")
         model.to(self.device)
-        params = [p for p in model.parameters() if p.requires_grad]
+        # a backbone loaded from pretraining may learn slower than the new head (optim.backbone_lr_mult)
+        params = param_groups(model, backbone_lr_mult=cfg.optim.backbone_lr_mult if cfg.init == "pretrained" else 1.0)
         if cfg.optim.name == "sgd":
             opt = torch.optim.SGD(params, lr=1.0, momentum=cfg.optim.momentum,
                                   weight_decay=cfg.optim.weight_decay, nesterov=cfg.optim.nesterov)
@@ -199,7 +200,7 @@ class Trainer:
                 if self.paths.pretrained is None:
                     raise ValueError("init: pretrained needs the pretraining model file")
                 pre = ckpt.load_model_file(self.paths.pretrained)
-                loaded = load_backbone(model, pre["state_dict"])
+                loaded = load_backbone(model, pre["state_dict"], stages=cfg.transfer_stages)
                 _log(backend, f"initialised {len(loaded)} backbone tensors from {self.paths.pretrained} "
                               "(model weights only; new head)")
         meta = {"resumed": state is not None, "source": str(source) if source else None}
