@@ -194,6 +194,7 @@ def _study_config(mirror_url: str, archives: list[int] | None) -> dict:
     cfg["pretrain"]["data"].update(crop=28, samples_per_epoch=128)
     cfg["finetune"].update(epochs=2, batch_size=16)
     cfg["evaluate"].update(crop=32, bootstrap_resamples=50)
+    cfg["ablation"]["enabled"] = False      # this test is about the data path; the ablation has its own
     return cfg
 
 

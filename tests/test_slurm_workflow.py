@@ -51,6 +51,9 @@ def slurm_demo(slurm_cluster, tmp_path_factory):  # noqa: F811
     work = tmp_path_factory.mktemp("slurm-demo")
     cfg = tiny_config("horovod")
     cfg["finetune"]["epochs"] = 2
+    # SLURM mechanics only: the ablation (on in the default demo) has its own tests and would run
+    # fine-tuning twice on the small cluster
+    cfg["ablation"]["enabled"] = False
     cfgfile = work / "config.yaml"
     cfgfile.write_text(yaml.safe_dump(cfg))
     proc = snakemake_slurm(slurm_cluster, work, cfgfile)
