@@ -16,21 +16,16 @@ from chexflow.train import trainer as T
 from chexflow.train.distributed import Backend
 from chexflow.train.schedule import lr_at
 from conftest import horovod_available
+from test_distributed import train_cfg
 
 # the meta device stands in for a GPU; loading real tensors into it warns per tensor
 pytestmark = pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter:UserWarning")
 
 
 def cfg_of(**over) -> C.TrainConfig:
-    base = {"stage": "finetune", "dataset": "nih_demo", "backend": "single", "epochs": 2, "batch_size": 8,
-            "seed": 3, "init": "random", "model": {"arch": "resnet18", "in_channels": 1},
-            "data": {"crop": 32, "workers": 0, "shuffle_buffer": 16},
-            "optim": {"name": "sgd", "lr": 0.05, "reference_batch": 16},
-            "schedule": {"warmup_epochs": 0.5, "decay": "cosine"},
-            "checkpoint": {"every_steps": 2, "keep": 5}}
-    for k, v in over.items():
-        base[k] = {**base[k], **v} if isinstance(v, dict) and k in base else v
-    return C.from_dict(C.TrainConfig, base)
+    """The multi-rank tests' config on one process, with the CPU defaults (no GPU branch forced)."""
+    base = {"seed": 3, "channels_last": "auto", "check_every_steps": 20, "checkpoint": {"every_steps": 2, "keep": 5}}
+    return C.from_dict(C.TrainConfig, train_cfg("single", **{**base, **over}))
 
 
 def trainer(cfg, manifest, tmp_path, device=None, backend=None) -> T.Trainer:
