@@ -70,19 +70,20 @@ class DDPBackend(Backend):
             return value.to(torch.device("cuda", torch.cuda.current_device()))
         return value
 
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's values into ``tensor`` in place (through a copy where the group cannot carry it)."""
+        carried = self._carry(tensor.data)
+        dist.broadcast(carried, src=0)
+        if carried is not tensor.data:
+            tensor.data.copy_(carried)
+
     def broadcast_model(self, model: torch.nn.Module) -> None:
         for t in model.state_dict().values():
-            carried = self._carry(t.data)
-            dist.broadcast(carried, src=0)
-            if carried is not t.data:
-                t.data.copy_(carried)
+            self._broadcast(t)
 
     def broadcast_buffers(self, model: torch.nn.Module) -> None:
         for buf in model.buffers():
-            carried = self._carry(buf.data)
-            dist.broadcast(carried, src=0)
-            if carried is not buf.data:
-                buf.data.copy_(carried)
+            self._broadcast(buf)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         # on the CPU whatever rank 0's device; load_state_dict moves it to each parameter's device
