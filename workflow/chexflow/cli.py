@@ -30,7 +30,7 @@ def _load(cls, args):
 # --------------------------------------------------------------------------- stages
 
 def cmd_make_demo_release(args) -> None:
-    from chexflow.data.phantoms import make_release
+    from chexflow.data.phantoms.release import make_release
     cfg = _load(C.DemoReleaseConfig, args)
     info = make_release(args.out, n_images=cfg.n_images, image_size=cfg.image_size,
                         images_per_archive=cfg.images_per_archive, test_fraction=cfg.test_fraction,
