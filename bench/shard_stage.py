@@ -10,7 +10,7 @@ few NIH images are), in the same run:
   "r:gz")``), the same input bytes as the shard job (the target's reference);
   "PIL loop, PNG files": from the PNGs as files on disk (already extracted: no gunzip);
 * chexflow: one per-archive shard job, ``shards.write_part`` on the same PNGs packed as an
-  NIH-layout ``images_001.tar.gz`` (``phantoms.write_archive``): stream the gzip tar, decode, crop,
+  NIH-layout ``images_001.tar.gz`` (``phantoms.release.write_archive``): stream the gzip tar, decode, crop,
   resize to S px, encode raw uint8, write the WebDataset shards and their manifest.
 
 One process, one core (``OMP_NUM_THREADS=1``); one untimed pass each (page cache warm), then
@@ -49,7 +49,8 @@ RELEASE_SIDE = 1024
 
 def write_inputs(work: Path, n: int, rgba_every: int, seed: int) -> tuple[list[Path], Path]:
     """The PNGs as files and as an NIH-layout release with one archive; returns (files, raw dir)."""
-    from chexflow.data import nih, phantoms
+    from chexflow.data import nih
+    from chexflow.data.phantoms.release import write_archive, write_tables
     files_dir, raw = work / "png", work / "raw"
     files_dir.mkdir(parents=True)
     raw.mkdir(parents=True)
@@ -66,10 +67,10 @@ def write_inputs(work: Path, n: int, rgba_every: int, seed: int) -> tuple[list[P
         members.append((name, data))
         rows.append([name, nih.LABELS[i % len(nih.LABELS)], 0, f"{i // 3}", 50, "M", "PA", RELEASE_SIDE,
                      RELEASE_SIDE, 0.143, 0.143])
-    phantoms.write_archive(raw / "images_001.tar.gz", members)
+    write_archive(raw / "images_001.tar.gz", members)
     table = pd.DataFrame(rows, columns=list(nih.CSV_COLUMNS))
     names = table["Image Index"].tolist()
-    phantoms.write_tables(raw, table, names, [])
+    write_tables(raw, table, names, [])
     return files, raw
 
 

@@ -59,10 +59,11 @@ def job_counts(stdout: str) -> dict[str, int]:
 def build_demo_dataset(root: Path, *, n_images: int = 240, image_size: int = 32, per_archive: int = 80,
                        samples_per_shard: int = 20) -> Path:
     """The demo chain at toy scale through the package's own functions; returns the manifest path."""
-    from chexflow.data import download, phantoms, shards, sources
+    from chexflow.data import download, shards, sources
+    from chexflow.data.phantoms.release import make_release
     release = root / "release"
-    phantoms.make_release(release, n_images=n_images, image_size=image_size, images_per_archive=per_archive,
-                          test_fraction=0.25, seed=7)
+    make_release(release, n_images=n_images, image_size=image_size, images_per_archive=per_archive,
+                 test_fraction=0.25, seed=7)
     n_archives = -(-n_images // per_archive)
     src = sources.get_source("nih_demo", n_archives=n_archives)
     raw = root / "raw"

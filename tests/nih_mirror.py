@@ -3,7 +3,7 @@
 12 ``images_NNN.tar.gz`` archives of ``images/<name>.png`` members, ``Data_Entry_2017_v2020.csv``
 (real rows of the NIH label file, all its columns) and both split lists; the images are phantoms
 rendered at 32 px, a few of them re-encoded at the release's 1,024 px and a few as RGBA PNGs
-(as some NIH images are). The packaging is the phantom release's (``phantoms.write_archive`` /
+(as some NIH images are). The packaging is the phantom release's (``phantoms.release.write_archive`` /
 ``write_tables``), so the layout is the same code path the demo uses.
 
 Pinned archive checksums and the published table sizes cannot match such a mirror: ``registry``
@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from chexflow.data import nih, phantoms
+from chexflow.data import nih
+from chexflow.data.phantoms.release import make_release, write_archive
 from chexflow.data.sources import NIH_N_ARCHIVES, NIH_TABLES, archive_name
 
 BIG = 1024          # the release's image side
@@ -59,8 +60,8 @@ def _sha256(path: Path) -> str:
 
 def generate(root: Path, *, per_archive: int = 30, seed: int = 11) -> Path:
     """The phantom release (12 archives of ``per_archive`` 32 px images) a mirror is packed from."""
-    info = phantoms.make_release(root, n_images=per_archive * NIH_N_ARCHIVES, image_size=32,
-                                 images_per_archive=per_archive, test_fraction=0.25, seed=seed)
+    info = make_release(root, n_images=per_archive * NIH_N_ARCHIVES, image_size=32,
+                        images_per_archive=per_archive, test_fraction=0.25, seed=seed)
     assert len(info.archives) == NIH_N_ARCHIVES
     return root
 
@@ -91,7 +92,7 @@ def make_nih_mirror(root: Path, generated: Path, *, n_big: int = 3, n_rgba: int 
             if (a, i) in corrupt:
                 data = data[: len(data) // 2]
             out.append((img, data))
-        phantoms.write_archive(root / name, out)
+        write_archive(root / name, out)
         archives[name] = [img for img, _ in out]
     for table in NIH_TABLES:
         shutil.copyfile(generated / table, root / table)

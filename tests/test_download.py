@@ -19,6 +19,7 @@ except ImportError:  # tests/ not on sys.path (e.g. --import-mode=importlib)
     from http_server import Fault, FileServer
 
 MB = 1 << 20
+DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"   # Debian's dataset-fashion-mnist package
 FAST = dict(retries=3, backoff=0.01, timeout=10.0, progress=False, chunk=256 * 1024)
 
 
@@ -399,7 +400,7 @@ def test_nih_demo_and_imagenet_registry():
     assert all(f.url is None for f in inet.files) and "image-net.org" in inet.how_to_obtain
 
 
-@pytest.mark.skipif(not Path(S.DEBIAN_FASHION_MNIST_DIR).is_dir(), reason="Debian dataset-fashion-mnist not installed")
+@pytest.mark.skipif(not Path(DEBIAN_FASHION_MNIST_DIR).is_dir(), reason="Debian dataset-fashion-mnist not installed")
 def test_fashion_mnist_pins_match_debian_copies(tmp_path):
     """The Debian copies (gzip header normalised) restore to bytes with the published md5s."""
     src = S.get_source("fashion_mnist")
@@ -412,10 +413,10 @@ def test_fashion_mnist_pins_match_debian_copies(tmp_path):
         "train-images-idx3-ubyte.gz": "archive", "t10k-images-idx3-ubyte.gz": "archive",
         "train-labels-idx1-ubyte.gz": "labels", "t10k-labels-idx1-ubyte.gz": "labels"}
     for f in src.files:
-        deb = Path(S.DEBIAN_FASHION_MNIST_DIR) / f.name
+        deb = Path(DEBIAN_FASHION_MNIST_DIR) / f.name
         assert deb.stat().st_size == f.size - len(f.name) + 2  # only the FNAME field ("name\0" sans .gz) differs
-        res = D.fetch_source_file(src, f.name, tmp_path, S.DEBIAN_FASHION_MNIST_DIR, progress=False)
+        res = D.fetch_source_file(src, f.name, tmp_path, DEBIAN_FASHION_MNIST_DIR, progress=False)
         body = res.path.read_bytes()
         assert _md5(body) == f.md5 and _sha(body) == f.sha256 and len(body) == f.size
         assert body[10:].startswith(f.name[:-3].encode() + b"\0") and body[10 + len(f.name) - 2:] == deb.read_bytes()[10:]
-        assert D.fetch_source_file(src, f.name, tmp_path, S.DEBIAN_FASHION_MNIST_DIR, progress=False).cached
+        assert D.fetch_source_file(src, f.name, tmp_path, DEBIAN_FASHION_MNIST_DIR, progress=False).cached

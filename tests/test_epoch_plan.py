@@ -22,10 +22,10 @@ def _refs(counts: list[int]) -> list[L.ShardRef]:
     return [L.ShardRef(f"shard-{i:03d}.tar", c) for i, c in enumerate(counts)]
 
 
-def _check_epoch(shards, *, world, batch, bpps, epoch, workers, cap=None) -> int:
+def _check_epoch(shards, *, world, batch, backward_passes, epoch, workers, cap=None) -> int:
     """Asserts the plan's invariants for one epoch; returns the samples it uses."""
-    steps = L.epoch_steps(shards, world=world, batch_size=batch, backward_passes=bpps, samples_per_epoch=cap)
-    m = steps * bpps
+    steps = L.epoch_steps(shards, world=world, batch_size=batch, backward_passes=backward_passes, samples_per_epoch=cap)
+    m = steps * backward_passes
     order = L.epoch_order(shards, epoch=epoch, seed=5, shuffle=True)
     start = {}
     for s in order:                                  # position of each shard in the epoch's sequence
@@ -33,7 +33,7 @@ def _check_epoch(shards, *, world, batch, bpps, epoch, workers, cap=None) -> int
     used = []
     for rank in range(world):
         runs = L.plan_epoch(shards, rank=rank, world=world, epoch=epoch, seed=5, batch_size=batch,
-                            backward_passes=bpps, samples_per_epoch=cap, workers=workers)
+                            backward_passes=backward_passes, samples_per_epoch=cap, workers=workers)
         assert [r.index for r in runs] == list(range(workers))
         assert [r.samples // batch for r in runs] == [m // workers + (w < m % workers) for w in range(workers)]
         assert all(r.samples % batch == 0 and r.skip == 0 for r in runs)
@@ -45,7 +45,7 @@ def _check_epoch(shards, *, world, batch, bpps, epoch, workers, cap=None) -> int
     assert n == world * m * batch
     limit = L.epoch_samples(shards, cap)
     assert used[-1][1] <= limit
-    assert limit - n < world * batch * bpps
+    assert limit - n < world * batch * backward_passes
     return n
 
 
@@ -61,20 +61,21 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_same_steps_every_epoch_and_rank_all_samples_used(layout):
     shards = _refs(LAYOUTS[layout])
-    for world, batch, bpps in itertools.product(range(1, 9), (1, 3, 8, 32), (1, 2)):
-        if sum(s.count for s in shards) < world * batch * bpps:
+    for world, batch, backward_passes in itertools.product(range(1, 9), (1, 3, 8, 32), (1, 2)):
+        if sum(s.count for s in shards) < world * batch * backward_passes:
             with pytest.raises(L.ManifestError, match=f"{sum(s.count for s in shards)} training samples"):
-                L.epoch_steps(shards, world=world, batch_size=batch, backward_passes=bpps)
+                L.epoch_steps(shards, world=world, batch_size=batch, backward_passes=backward_passes)
             continue
         for epoch in range(5):
-            _check_epoch(shards, world=world, batch=batch, bpps=bpps, epoch=epoch, workers=1 + epoch % 3)
+            _check_epoch(shards, world=world, batch=batch, backward_passes=backward_passes, epoch=epoch,
+                         workers=1 + epoch % 3)
 
 
 def test_samples_per_epoch_caps_the_epoch():
     shards = _refs([20] * 3 + [7])
     assert L.epoch_steps(shards, world=2, batch_size=4, samples_per_epoch=30) == 3
     for epoch in range(4):
-        assert _check_epoch(shards, world=2, batch=4, bpps=1, epoch=epoch, workers=2, cap=30) == 24
+        assert _check_epoch(shards, world=2, batch=4, backward_passes=1, epoch=epoch, workers=2, cap=30) == 24
     with pytest.raises(L.ManifestError, match=r"samples_per_epoch 7.*world 2 x batch 4"):
         L.epoch_steps(shards, world=2, batch_size=4, samples_per_epoch=7)
 
@@ -86,7 +87,7 @@ def test_nih_like_layout_uses_all_but_a_global_step(archive, share):
     shards = _refs(archive * 12)
     total = sum(s.count for s in shards)
     for epoch in range(3):
-        used = _check_epoch(shards, world=8, batch=32, bpps=1, epoch=epoch, workers=4)
+        used = _check_epoch(shards, world=8, batch=32, backward_passes=1, epoch=epoch, workers=4)
         assert total - used == total % 256 and used / total >= share
 
 
@@ -155,9 +156,9 @@ def _batches(stream, workers, batch):
 @pytest.mark.parametrize("workers", [0, 1, 2, 3])
 def test_real_loader_full_batches_once_per_epoch(uneven, workers):
     total, batch = sum(s.count for s in uneven), 3
-    for world, bpps in ((1, 1), (2, 2), (3, 1)):
-        m = L.epoch_steps(uneven, world=world, batch_size=batch, backward_passes=bpps) * bpps
-        stream = [L.ShardStream(uneven, rank=r, world=world, seed=7, batch_size=batch, backward_passes=bpps,
+    for world, backward_passes in ((1, 1), (2, 2), (3, 1)):
+        m = L.epoch_steps(uneven, world=world, batch_size=batch, backward_passes=backward_passes) * backward_passes
+        stream = [L.ShardStream(uneven, rank=r, world=world, seed=7, batch_size=batch, backward_passes=backward_passes,
                                 shuffle_buffer=8) for r in range(world)]
         orders = []
         for epoch in range(4):
@@ -171,7 +172,7 @@ def test_real_loader_full_batches_once_per_epoch(uneven, workers):
                     assert torch.equal(images, (ids % 251).to(torch.uint8)[:, None, None].expand(-1, 4, 5))
                     assert [f"p{i // 3}\timg{i:05d}.png" for i in ids.tolist()] == list(k)
                 keys += [x for _, _, k in got for x in k]
-            assert len(set(keys)) == len(keys) == world * m * batch > total - world * batch * bpps
+            assert len(set(keys)) == len(keys) == world * m * batch > total - world * batch * backward_passes
             orders.append(keys)
         assert orders[0] != orders[1]
 

@@ -11,18 +11,27 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from chexflow.data import nih, phantoms
+from chexflow.data import nih
+from chexflow.data.phantoms.anatomy import sample_anatomy
+from chexflow.data.phantoms.draw import render_phantom
+from chexflow.data.phantoms.release import (GENERATOR_VERSION, ReleaseError, ReleaseInfo, image_rng, make_release,
+                                            patient_anatomy, sample_rows, split_patients)
 
 SEED = 3
 N_IMAGES = 200
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory) -> tuple[Path, phantoms.ReleaseInfo]:
+def release(tmp_path_factory) -> tuple[Path, ReleaseInfo]:
     out = tmp_path_factory.mktemp("rel") / "nih_demo"
-    info = phantoms.make_release(out, n_images=N_IMAGES, image_size=48, images_per_archive=80,
-                                 test_fraction=0.25, seed=SEED)
+    info = make_release(out, n_images=N_IMAGES, image_size=48, images_per_archive=80,
+                        test_fraction=0.25, seed=SEED)
     return out, info
+
+
+def _render_row(seed: int, image: str, patient: str, findings: np.ndarray, size: int) -> np.ndarray:
+    """The phantom of one label row, as make_release renders it."""
+    return render_phantom(findings, size=size, rng=image_rng(seed, image), anatomy=patient_anatomy(seed, patient))
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -60,7 +69,7 @@ def test_release_layout_and_contents(release):
 
     meta = json.loads((out / "release.json").read_text())
     assert meta["synthetic"] is True and meta["seed"] == SEED and meta["n_images"] == N_IMAGES
-    assert meta["generator_version"] == phantoms.GENERATOR_VERSION and meta["archives"] == list(info.archives)
+    assert meta["generator_version"] == GENERATOR_VERSION and meta["archives"] == list(info.archives)
     assert meta["n_test_images"] == len(test) and meta["n_train_val_images"] == len(train_val)
     assert meta["label_counts"] == {k: int(labels[k].sum()) for k in nih.LABELS}
 
@@ -95,25 +104,25 @@ def test_release_checksums_verify(release):
 def test_release_is_deterministic_and_rerun_replaces_stale_files(release, tmp_path):
     out, _ = release
     again = tmp_path / "again"
-    phantoms.make_release(again, n_images=N_IMAGES, image_size=48, images_per_archive=80,
-                          test_fraction=0.25, seed=SEED)
+    make_release(again, n_images=N_IMAGES, image_size=48, images_per_archive=80,
+                 test_fraction=0.25, seed=SEED)
     assert _files(again) == _files(out)
     # another seed: other patients, other pictures
     other = tmp_path / "other"
-    phantoms.make_release(other, n_images=N_IMAGES, image_size=48, images_per_archive=80,
-                          test_fraction=0.25, seed=SEED + 1)
+    make_release(other, n_images=N_IMAGES, image_size=48, images_per_archive=80,
+                 test_fraction=0.25, seed=SEED + 1)
     assert _files(other)["Data_Entry_2017_v2020.csv"] != _files(out)["Data_Entry_2017_v2020.csv"]
     # a smaller release written over it: the stale third archive disappears
-    info = phantoms.make_release(again, n_images=100, image_size=48, images_per_archive=80,
-                                 test_fraction=0.25, seed=SEED)
+    info = make_release(again, n_images=100, image_size=48, images_per_archive=80,
+                        test_fraction=0.25, seed=SEED)
     assert sorted(p.name for p in again.glob("images_*.tar.gz")) == ["images_001.tar.gz", "images_002.tar.gz"]
     assert info.n_images == 100 and len(nih.read_labels(again / "Data_Entry_2017_v2020.csv")) == 100
 
 
 def test_release_workers_give_same_bytes(tmp_path):
     kw = dict(n_images=150, image_size=32, images_per_archive=100, test_fraction=0.2, seed=9)
-    phantoms.make_release(tmp_path / "one", **kw)
-    phantoms.make_release(tmp_path / "two", workers=2, **kw)
+    make_release(tmp_path / "one", **kw)
+    make_release(tmp_path / "two", workers=2, **kw)
     assert _files(tmp_path / "one") == _files(tmp_path / "two")
 
 
@@ -121,8 +130,8 @@ def test_release_argument_errors(tmp_path):
     ok = dict(n_images=10, image_size=32, images_per_archive=5, test_fraction=0.2, seed=0)
     for bad in ({"n_images": 0}, {"image_size": 4}, {"images_per_archive": 0}, {"test_fraction": 1.0},
                 {"n_images": 200_000}):
-        with pytest.raises(phantoms.ReleaseError):
-            phantoms.make_release(tmp_path / "x", **{**ok, **bad})
+        with pytest.raises(ReleaseError):
+            make_release(tmp_path / "x", **{**ok, **bad})
     assert not (tmp_path / "x" / "SHA256SUMS").exists()
 
 
@@ -130,22 +139,22 @@ def test_release_argument_errors(tmp_path):
 
 def test_render_deterministic_and_validated():
     f = np.zeros(14)
-    a = phantoms.render_phantom(f, size=64, rng=np.random.default_rng(1))
-    b = phantoms.render_phantom(f, size=64, rng=np.random.default_rng(1))
-    c = phantoms.render_phantom(f, size=64, rng=np.random.default_rng(2))
+    a = render_phantom(f, size=64, rng=np.random.default_rng(1))
+    b = render_phantom(f, size=64, rng=np.random.default_rng(1))
+    c = render_phantom(f, size=64, rng=np.random.default_rng(2))
     assert a.dtype == np.uint8 and a.shape == (64, 64)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     with pytest.raises(ValueError, match="14 entries"):
-        phantoms.render_phantom(np.zeros(13), size=64, rng=np.random.default_rng(1))
+        render_phantom(np.zeros(13), size=64, rng=np.random.default_rng(1))
     for size in (16, 100, 257):
-        assert phantoms.render_phantom(np.ones(14), size=size, rng=np.random.default_rng(0)).shape == (size, size)
+        assert render_phantom(np.ones(14), size=size, rng=np.random.default_rng(0)).shape == (size, size)
 
 
 def test_patient_anatomy_is_shared_by_follow_ups():
     f = np.zeros(14)
-    a1 = phantoms.render_row(5, "00000042_000.png", "42", f, 64).astype(float)
-    a2 = phantoms.render_row(5, "00000042_001.png", "42", f, 64).astype(float)
-    b = phantoms.render_row(5, "00000043_000.png", "43", f, 64).astype(float)
+    a1 = _render_row(5, "00000042_000.png", "42", f, 64).astype(float)
+    a2 = _render_row(5, "00000042_001.png", "42", f, 64).astype(float)
+    b = _render_row(5, "00000043_000.png", "43", f, 64).astype(float)
     assert np.abs(a1 - a2).mean() < np.abs(a1 - b).mean()
 
 
@@ -155,11 +164,11 @@ def test_each_finding_changes_the_image_locally(label):
     i = nih.LABELS.index(label)
     changed_any = 0
     for k in range(6):
-        anatomy = phantoms.sample_anatomy(np.random.default_rng(100 + k))
-        without = phantoms.render_phantom(np.zeros(14), size=96, rng=np.random.default_rng(k), anatomy=anatomy)
+        anatomy = sample_anatomy(np.random.default_rng(100 + k))
+        without = render_phantom(np.zeros(14), size=96, rng=np.random.default_rng(k), anatomy=anatomy)
         f = np.zeros(14)
         f[i] = 1
-        with_ = phantoms.render_phantom(f, size=96, rng=np.random.default_rng(k), anatomy=anatomy)
+        with_ = render_phantom(f, size=96, rng=np.random.default_rng(k), anatomy=anatomy)
         diff = np.abs(with_.astype(int) - without.astype(int))
         changed = (diff > 2).mean()
         assert changed < 0.5, f"{label}: {changed:.0%} of the image changed"
@@ -179,12 +188,12 @@ def test_findings_are_learnable_by_a_linear_model():
 
     seed, n = 7, 1500
     table = nih.read_label_table(nih.find_label_csv())
-    rows = phantoms.sample_rows(table, n, seed)
+    rows = sample_rows(table, n, seed)
     y = nih.labels_from_findings(rows["Finding Labels"]).to_numpy()
     names, patients = rows["Image Index"].tolist(), rows["Patient ID"].tolist()
-    imgs = np.stack([phantoms.render_row(seed, im, p, t, 64) for im, p, t in zip(names, patients, y)])
+    imgs = np.stack([_render_row(seed, im, p, t, 64) for im, p, t in zip(names, patients, y)])
     x = imgs.reshape(n, 16, 4, 16, 4).mean(axis=(2, 4)).reshape(n, -1) / 255.0
-    test_patients = phantoms.split_patients(patients, 0.3, seed)
+    test_patients = split_patients(patients, 0.3, seed)
     te = np.array([p in test_patients for p in patients])
     scaler = StandardScaler().fit(x[~te])
     x_tr, x_te = scaler.transform(x[~te]), scaler.transform(x[te])

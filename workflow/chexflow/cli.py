@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chexflow import config as C
+from chexflow.config import (ConfigError, DemoReleaseConfig, EvaluateConfig, ScalingConfig, ShardConfig,
+                             TrainConfig, from_dict, load_stage_config)
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -24,14 +25,14 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 def _load(cls, args):
     if args.config is None and args.config_json is None:
         return cls()
-    return C.load_stage_config(cls, path=args.config, text=args.config_json)
+    return load_stage_config(cls, path=args.config, text=args.config_json)
 
 
 # --------------------------------------------------------------------------- stages
 
 def cmd_make_demo_release(args) -> None:
-    from chexflow.data.phantoms import make_release
-    cfg = _load(C.DemoReleaseConfig, args)
+    from chexflow.data.phantoms.release import make_release
+    cfg = _load(DemoReleaseConfig, args)
     info = make_release(args.out, n_images=cfg.n_images, image_size=cfg.image_size,
                         images_per_archive=cfg.images_per_archive, test_fraction=cfg.test_fraction,
                         seed=cfg.seed, workers=args.workers, progress=True)
@@ -47,7 +48,7 @@ def cmd_download(args) -> None:
 
 def cmd_split(args) -> None:
     from chexflow.data import nih, shards, sources
-    cfg = _load(C.ShardConfig, args)
+    cfg = _load(ShardConfig, args)
     content = sources.registry_content(sources.load_test_registry(), cfg.dataset)   # tests only
     df = shards.split_dataset(cfg.dataset, args.raw, cfg, args.out,
                               expected=nih.ReleaseCounts(**content) if content else None)
@@ -57,7 +58,7 @@ def cmd_split(args) -> None:
 
 def cmd_shards(args) -> None:
     from chexflow.data import shards
-    cfg = _load(C.ShardConfig, args)
+    cfg = _load(ShardConfig, args)
     m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, progress=True)
     print(f"{cfg.dataset}/{args.part}: {len(m['shards'])} shards, "
           f"{sum(s['count'] for s in m['shards'])} images, {len(m['rejects'])} rejected")
@@ -65,7 +66,7 @@ def cmd_shards(args) -> None:
 
 def cmd_gather(args) -> None:
     from chexflow.data import shards
-    cfg = _load(C.ShardConfig, args)
+    cfg = _load(ShardConfig, args)
     m = shards.gather(cfg.dataset, args.parts, args.out, cfg, splits_csv=args.splits)
     for split, s in m["splits"].items():
         listed = f" of {s['n_listed']} listed" if "n_listed" in s else ""
@@ -74,7 +75,7 @@ def cmd_gather(args) -> None:
 
 def cmd_train(args) -> None:
     from chexflow.train.trainer import TrainPaths, run
-    cfg = _load(C.TrainConfig, args)
+    cfg = _load(TrainConfig, args)
     run(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
                         pretrained=args.pretrained, tensorboard=args.tensorboard))
 
@@ -89,7 +90,7 @@ def cmd_launch(args) -> None:
 
 def cmd_evaluate(args) -> None:
     from chexflow.evaluate.run import run
-    cfg = _load(C.EvaluateConfig, args)
+    cfg = _load(EvaluateConfig, args)
     res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir)
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
@@ -114,8 +115,8 @@ def cmd_report(args) -> None:
 
 def cmd_scale_point(args) -> None:
     from chexflow.studies import scaling
-    pretrain = _load(C.TrainConfig, args)
-    study = C.load_stage_config(C.ScalingConfig, text=args.scaling_json)
+    pretrain = _load(TrainConfig, args)
+    study = load_stage_config(ScalingConfig, text=args.scaling_json)
     scaling.run_point(pretrain, study, world=args.world, manifest=args.manifest, out_dir=args.out_dir,
                       job_threads=args.job_threads)
 
@@ -130,7 +131,7 @@ def cmd_sweep_trial(args) -> None:
     import shlex
     from chexflow.studies import sweep
     finetune = json.loads(args.config_json)
-    C.from_dict(C.TrainConfig, finetune)          # the base section itself must be valid
+    from_dict(TrainConfig, finetune)          # the base section itself must be valid
     sweep.run_trial(finetune, json.loads(args.params_json), trial_id=args.trial,
                     launcher=shlex.split(args.launcher), ranks=args.ranks, manifest=args.manifest,
                     pretrained=args.pretrained, out_dir=args.out_dir)
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except C.ConfigError as exc:
+    except ConfigError as exc:
         print(f"chexflow {args.stage}: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
 

@@ -44,8 +44,9 @@ def atomic_path(path: Path | str, *, fsync: bool = False) -> Iterator[Path]:
 
 
 def write_text_atomic(path: Path | str, text: str) -> None:
+    """Write ``text`` as UTF-8 (whatever the locale), atomically."""
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
 
 
 def write_bytes_atomic(path: Path | str, data: bytes) -> None:

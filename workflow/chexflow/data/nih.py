@@ -36,7 +36,6 @@ CSV_COLUMNS: tuple[str, ...] = (
     "View Position", "OriginalImage[Width", "Height]", "OriginalImagePixelSpacing[x", "y]",
 )
 REQUIRED_COLUMNS: tuple[str, ...] = ("Image Index", "Finding Labels", "Patient ID")
-SPLIT_NAMES = ("train", "val", "test")
 SPLIT_SOURCE = ("official NIH split lists: test = test_list.txt; train and val = train_val_list.txt, "
                 "val carved out by patient (seeded)")
 

@@ -88,7 +88,6 @@ _FMNIST = (
 # streams, but dh_strip_nondeterminism rewrote each gzip header: FNAME dropped, MTIME set to the
 # packaging time. The official header is FLG=FNAME, this MTIME, XFL=0, OS=3 (Unix), the name
 # without ".gz". chexflow.data.download.restore_debian_gzip rebuilds the official bytes.
-DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_GZIP_MTIME = {
     "train-images-idx3-ubyte.gz": 1504176606,   # 2017-08-31 10:50:06 UTC
     "train-labels-idx1-ubyte.gz": 1504176606,

@@ -134,8 +134,3 @@ SPLIT_CAVEAT = (
     "splits), not on the official NIH test_list.txt, and not on the images tested here. "
     "Use them as a reference point, not as a like-for-like comparison."
 )
-
-
-def chexnet_auroc(label: str) -> float | None:
-    """CheXNet's published AUROC for ``label`` (None for an unknown label)."""
-    return CHEXNET_AUROC.get(label)

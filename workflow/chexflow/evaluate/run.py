@@ -15,7 +15,7 @@ import torch
 
 from chexflow.config import EvaluateConfig
 from chexflow.data import loader as data
-from chexflow.evaluate import metrics as M
+from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc, mean_auroc, operating_point, youden_threshold
 from chexflow.evaluate.published import CHEXNET
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model_file
@@ -55,10 +55,10 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
     test = predict(model, data.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)
     s, y, patients, images = test
 
-    per_label = M.auroc_per_label(y, s, labels)
-    boot = M.bootstrap_auroc(y, s, np.asarray(patients), labels, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
+    per_label = auroc_per_label(y, s, labels)
+    boot = bootstrap_auroc(y, s, np.asarray(patients), labels, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     defined = [label for label in labels if per_label[label] is not None]
-    result = {"labels": {}, "mean_auroc": M.mean_auroc(per_label), "mean_auroc_labels": defined,
+    result = {"labels": {}, "mean_auroc": mean_auroc(per_label), "mean_auroc_labels": defined,
               "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
               "n_patients": int(len(set(patients))), "model": str(model_path),
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
@@ -72,9 +72,9 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
                  "ci": boot.get("labels", {}).get(label, {}).get("ci"), "chexnet": CHEXNET.get(label)}
         vknown = ~np.isnan(vy[:, j])
         if len(np.unique(vy[vknown, j])) == 2 and len(np.unique(y[known, j])) == 2:
-            thr = M.youden_threshold(vy[vknown, j], vs[vknown, j])
+            thr = youden_threshold(vy[vknown, j], vs[vknown, j])
             entry["threshold_val_youden"] = float(thr)
-            entry["test_operating_point"] = M.operating_point(y[known, j], s[known, j], thr)
+            entry["test_operating_point"] = operating_point(y[known, j], s[known, j], thr)
         result["labels"][label] = entry
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ import os
 import platform
 import socket
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata, resources
@@ -29,6 +28,7 @@ from sklearn.metrics import auc, roc_curve
 
 from chexflow.evaluate import published
 from chexflow.evaluate.metrics import operating_point, paired_bootstrap_auroc_diff, youden_threshold
+from chexflow.fsutil import write_text_atomic
 from chexflow.report import plots
 
 __all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions"]
@@ -447,18 +447,6 @@ def _template() -> jinja2.Template:
     return _environment().from_string(source)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # --------------------------------------------------------------------------- optional studies
 def _read_csv(path: Path, what: str, columns: tuple[str, ...]) -> pd.DataFrame:
     path = Path(path)
@@ -639,4 +627,4 @@ def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path |
         "provenance": prov,
         "packages": packages,
     }
-    _write_atomic(out_html, _template().render(**context))
+    write_text_atomic(out_html, _template().render(**context))
