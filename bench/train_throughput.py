@@ -40,7 +40,7 @@ from chexflow.data import loader as data  # noqa: E402
 from chexflow.fsutil import write_text_atomic  # noqa: E402
 from chexflow.train import models  # noqa: E402
 from chexflow.train.trainer import TrainPaths, Trainer  # noqa: E402
-from chexflow.train.distributed import backend_for  # noqa: E402
+from chexflow.train.backends import backend_for  # noqa: E402
 
 N_LABELS = 14
 

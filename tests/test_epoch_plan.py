@@ -170,7 +170,7 @@ def test_real_loader_full_batches_once_per_epoch(uneven, workers):
                 for images, targets, k in got:     # contents belong to the keys
                     ids = targets[:, 0].long()
                     assert torch.equal(images, (ids % 251).to(torch.uint8)[:, None, None].expand(-1, 4, 5))
-                    assert [f"p{i // 3}\timg{i:05d}.png" for i in ids.tolist()] == list(k)
+                    assert [L.SampleId(f"p{i // 3}", f"img{i:05d}.png") for i in ids.tolist()] == list(k)
                 keys += [x for _, _, k in got for x in k]
             assert len(set(keys)) == len(keys) == world * m * batch > total - world * batch * backward_passes
             orders.append(keys)
@@ -210,7 +210,7 @@ def test_skipped_samples_are_not_decoded(tmp_path):
     assert [s["__key__"] for s in kept] == ["img00002", "img00004"]
     stream = L.ShardStream(refs, rank=0, world=1, seed=0, batch_size=2, shuffle_buffer=1)
     stream.set_epoch(0, skip_batches=1)
-    assert [k for _, _, k in stream][0] == "p0\timg00002.png"
+    assert [k for _, _, k in stream][0] == L.SampleId("p0", "img00002.png")
     with pytest.raises(L.ShardReadError, match=r"train-00000\.tar: 6 samples, but sample 9 was asked for"):
         list(L.iter_shard(str(path), keep=[9]))
 
@@ -224,8 +224,8 @@ def test_evaluation_stream_every_sample_once(uneven, world, workers):
         for _, _, k in _batches(stream, workers, 4):
             keys += k
             sizes[rank].append(len(k))
-    assert sorted(keys) == sorted(f"p{i // 3}\timg{i:05d}.png" for i in range(total))
+    assert sorted(keys) == sorted(L.SampleId(f"p{i // 3}", f"img{i:05d}.png") for i in range(total))
     for rank, s in sizes.items():           # one partial batch per rank at most
         assert sum(x < 4 for x in s) <= 1 and abs(sum(s) - total / world) < 1
     if world == 1 and workers == 0:
-        assert keys == [f"p{i // 3}\timg{i:05d}.png" for i in range(total)]
+        assert keys == [L.SampleId(f"p{i // 3}", f"img{i:05d}.png") for i in range(total)]

@@ -28,7 +28,7 @@ import torch
 from chexflow import config as C
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
-from chexflow.train.distributed import Backend
+from chexflow.train.backends import Backend
 from conftest import horovod_available
 from test_distributed import _ckpt_steps, history, rank_pid, run, start, train_cfg, weights
 

@@ -155,7 +155,7 @@ def test_labels_counts_and_rejects(built):
         for ref in L.split_shards(out / "manifest.json", split):
             for sample in L.iter_shard(ref.path):
                 img, target, key = L._decode(sample)
-                seen[key.split("\t")[1]] = (split, int(target), img.numpy())
+                seen[key.image] = (split, int(target), img.numpy())
     assert len(seen) == 17
     for name, (split, label, img) in seen.items():
         assert img.shape == (SIZE, SIZE) and img.dtype == np.uint8

@@ -53,7 +53,7 @@ def test_iter_shard_matches_webdataset(tmp_path, fmt, mtime):
         img, target, key = L._decode(a)
         assert np.array_equal(img.numpy(), np.load(io.BytesIO(b["img.npy"])))
         assert np.array_equal(target.numpy(), np.load(io.BytesIO(b["target.npy"])), equal_nan=True)
-        assert key == "p\tx" and img.numpy().flags.writeable
+        assert key == ("p", "x") and img.numpy().flags.writeable
 
 
 def test_load_npy_dtypes_and_fortran_order():

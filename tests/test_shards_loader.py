@@ -34,7 +34,7 @@ def test_shard_samples_match_labels(demo_manifest):
     shards = L.split_shards(demo_manifest, "test")
     for sample in L.iter_shard(shards[0].path):
         img, target, key = L._decode(sample)
-        patient, image = key.split("\t")
+        patient, image = key
         assert img.dtype == torch.uint8 and img.shape == (32, 32)
         assert np.array_equal(target.numpy(), table.loc[image, list(nih.LABELS)].to_numpy(np.float32))
         assert table.loc[image, "patient"] == patient

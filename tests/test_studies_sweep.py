@@ -137,7 +137,7 @@ def test_frozen_stages_do_not_train(tmp_path, demo_manifest, monkeypatch):
     """The real trainer (single process) with freeze: 2 leaves conv1/bn1 weights as initialised."""
     import torch
     from chexflow.train.checkpoint import load_model_file
-    from chexflow.train.distributed import init_backend
+    from chexflow.train.backends import init_backend
     from chexflow.train.models import build_model
     from chexflow.train.trainer import Trainer, TrainPaths
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

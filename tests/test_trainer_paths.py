@@ -13,7 +13,7 @@ import torch
 from chexflow import config as C
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
-from chexflow.train.distributed import Backend
+from chexflow.train.backends import Backend
 from chexflow.train.schedule import lr_at
 from conftest import horovod_available
 from test_distributed import train_cfg
@@ -199,7 +199,7 @@ def test_run_id_ignores_how_a_run_is_checkpointed_not_what_it_computes():
 def test_horovod_gets_dense_gradients_and_gives_back_channels_last(fp16):
     """horovod#3491: channels_last gradients are not contiguous and Horovod refuses them."""
     import horovod.torch as hvd
-    from chexflow.train.horovod_backend import dense_layout_compression
+    from chexflow.train.backends.horovod import dense_layout_compression
     comp = dense_layout_compression(hvd.Compression.fp16 if fp16 else hvd.Compression.none)
     grad = torch.randn(8, 16, 3, 3).contiguous(memory_format=torch.channels_last)
     assert not grad.is_contiguous()
@@ -211,3 +211,43 @@ def test_horovod_gets_dense_gradients_and_gives_back_channels_last(fp16):
     flat = torch.randn(10)
     sent, ctx = comp.compress(flat)
     assert (sent is flat) != fp16 and comp.decompress(sent, ctx).is_contiguous()
+
+
+class NoCollectives(Backend):
+    """A world whose every collective is an error (before fit): what a Trainer may do at construction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def _called(self, name: str) -> None:
+        self.calls.append(name)
+
+    def barrier(self) -> None:
+        self._called("barrier")
+
+    def broadcast_object(self, obj):
+        self._called("broadcast_object")
+        return obj
+
+    def allreduce_max(self, value):
+        self._called("allreduce_max")
+        return value
+
+
+@pytest.mark.slow
+def test_construction_runs_no_collective_and_staging_happens_in_fit(demo_manifest, tmp_path):
+    """A Trainer is built without any communication (ranks may construct at different times); the
+    node-local staging copy and its barrier happen at the start of fit, before the model exists."""
+    backend = NoCollectives()
+    local = tmp_path / "node-local"
+    t = trainer(cfg_of(max_steps=1, epochs=1, data={"stage_to": str(local)}), demo_manifest, tmp_path,
+                backend=backend)
+    assert backend.calls == []
+    assert t.steps_per_epoch == t.data.steps_per_epoch > 0
+    assert not local.exists()
+    assert t.fit() == 0
+    assert backend.calls[0] == "barrier"             # the staging barrier, first of all
+    staged = {p.name for p in (local / "chexflow-shards").iterdir()}
+    assert len(staged) == len(t.data.train_shards) + len(t.data.val_shards)
+    assert all(str(s.path).startswith(str(local)) for s in t.data.train_shards + t.data.val_shards)

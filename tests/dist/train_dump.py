@@ -12,7 +12,7 @@ from chexflow import config as C
 from chexflow.fsutil import write_text_atomic as _real_write_text
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
-from chexflow.train.distributed import backend_for
+from chexflow.train.backends import backend_for
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--config-json", required=True)

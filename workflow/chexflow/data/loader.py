@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Iterator
+from typing import Collection, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +34,12 @@ from chexflow.fsutil import atomic_path
 class ShardRef:
     path: str
     count: int
+
+
+class SampleId(NamedTuple):
+    """Who a sample is: its patient (the unit of splits and of bootstrap resampling) and its image."""
+    patient: str
+    image: str
 
 
 class ManifestError(ValueError):
@@ -230,7 +236,7 @@ def _load_npy(buf: bytes) -> np.ndarray:
     return np.load(io.BytesIO(buf), allow_pickle=False)
 
 
-def _decode(sample: dict) -> tuple[torch.Tensor, torch.Tensor, str]:
+def _decode(sample: dict) -> tuple[torch.Tensor, torch.Tensor, SampleId]:
     if "img.npy" in sample:
         img = _load_npy(sample["img.npy"])
     else:
@@ -238,7 +244,8 @@ def _decode(sample: dict) -> tuple[torch.Tensor, torch.Tensor, str]:
         img = np.asarray(Image.open(io.BytesIO(sample["img.png"])).convert("L"))
     target = _load_npy(sample["target.npy"])
     meta = json.loads(sample["meta.json"])
-    return torch.from_numpy(np.ascontiguousarray(img)), torch.from_numpy(np.asarray(target)), meta["patient"] + "\t" + meta["image"]
+    return (torch.from_numpy(np.ascontiguousarray(img)), torch.from_numpy(np.asarray(target)),
+            SampleId(meta["patient"], meta["image"]))
 
 
 class ShardReadError(ValueError):
@@ -391,7 +398,7 @@ def _read_run(run: WorkerRun, order: np.ndarray) -> Iterator[dict]:
 
 
 class ShardStream(IterableDataset):
-    """Samples ``(uint8 image HxW, target, "patient\\timage")`` of one rank for one epoch.
+    """Samples ``(uint8 image HxW, target, SampleId)`` of one rank for one epoch.
 
     Training (``shuffle=True``): this rank's :func:`plan_epoch` slice, ``epoch_steps x
     backward_passes`` full batches in every epoch, each loader worker mixing its run in a shuffle

@@ -28,14 +28,12 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
     scores, targets, patients, images = [], [], [], []
     model.eval()
     with torch.no_grad():
-        for x, y, keys in loader:
+        for x, y, ids in loader:
             z = data.gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
             scores.append(torch.sigmoid(model(z).float()).cpu().numpy())
             targets.append(y.numpy().astype(np.float64))
-            for k in keys:
-                p, i = k.split("\t", 1)
-                patients.append(p)
-                images.append(i)
+            patients += [i.patient for i in ids]
+            images += [i.image for i in ids]
     return np.concatenate(scores), np.concatenate(targets), patients, images
 
 

@@ -74,7 +74,7 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
     (so world 1 and world 2 on a workstation use the same cores, without oversubscription).
     """
     from chexflow.data import loader as data
-    from chexflow.train.distributed import backend_for
+    from chexflow.train.backends import backend_for
     from chexflow.train.trainer import Trainer, TrainPaths
 
     cfg = train_config(pretrain, scaling, world)

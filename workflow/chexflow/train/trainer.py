@@ -28,11 +28,11 @@ import torch
 from tqdm import tqdm
 
 from chexflow.config import TrainConfig, to_dict, write_yaml_atomic
-from chexflow.data import loader as data
 from chexflow.evaluate import metrics as M
 from chexflow.fsutil import sha256_file, write_text_atomic
 from chexflow.train import checkpoint as ckpt
-from chexflow.train.distributed import Backend, backend_for, gather_arrays
+from chexflow.train.backends import Backend, backend_for, gather_arrays
+from chexflow.train.inputs import TrainData, stage_on_node
 from chexflow.train.losses import task_loss
 from chexflow.train.models import build_model, freeze_backbone, load_backbone, param_groups
 from chexflow.train.schedule import make_scheduler, scaled_lr, set_scheduler_step
@@ -128,23 +128,11 @@ class Trainer:
         # the GPU branches, each reachable on CPU when the config forces it (tests of the GPU path)
         self.channels_last = cfg.channels_last == "always" or (cfg.channels_last == "auto" and device.type == "cuda")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-        manifest = data.read_manifest(paths.manifest)
-        self.task, self.labels = manifest["task"], manifest["labels"]
-        self.train_shards = data.split_shards(paths.manifest, "train")
-        self.val_shards = data.split_shards(paths.manifest, "val")
-        if cfg.data.stage_to:
-            # every rank reads other shards each epoch, so a node needs them all: its local rank 0
-            # copies them once into node-local disk, the node's other ranks wait and read the copies
-            local = Path(cfg.data.stage_to) / "chexflow-shards"
-            copier = backend.local_rank == 0
-            self.train_shards = data.stage_shards(self.train_shards, local, copy=copier)
-            self.val_shards = data.stage_shards(self.val_shards, local, copy=copier)
-            backend.barrier()
-            _log(backend, f"staged {len(self.train_shards) + len(self.val_shards)} shards into {local}")
         self.bpps = cfg.horovod.backward_passes_per_step
-        self.steps_per_epoch = data.epoch_steps(self.train_shards, world=backend.size, batch_size=cfg.batch_size,
-                                                backward_passes=self.bpps,
-                                                samples_per_epoch=cfg.data.samples_per_epoch)
+        # reads the manifest only; staging to node-local disk (a collective) happens in fit()
+        self.data = TrainData.build(cfg, paths.manifest, rank=backend.rank, world=backend.size)
+        self.task, self.labels = self.data.task, self.data.labels
+        self.steps_per_epoch = self.data.steps_per_epoch
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.run_id = run_id(cfg, paths.pretrained if cfg.init == "pretrained" else None)
         if cfg.max_steps is not None:
@@ -264,6 +252,11 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
         cfg, backend = self.cfg, self.backend
+        if cfg.data.stage_to:
+            self.data = stage_on_node(self.data, dest=cfg.data.stage_to, local_rank=backend.local_rank,
+                                      barrier=backend.barrier)
+            _log(backend, f"staged {len(self.data.train_shards) + len(self.data.val_shards)} shards into "
+                          f"{cfg.data.stage_to}")
         model, opt, sched = self._build()
         prog = self._restore(model, opt, sched)
         model, opt = self._prepare(model, opt)
@@ -275,43 +268,44 @@ class Trainer:
                       f"{', channels_last' if self.channels_last else ''}{', bf16' if self.bf16 else ''}"
                       f"{', compiled' if cfg.compile else ''}")
         writer = self._tensorboard()
-        stream = data.ShardStream(self.train_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
-                                  batch_size=cfg.batch_size, backward_passes=self.bpps,
-                                  samples_per_epoch=cfg.data.samples_per_epoch, shuffle=True,
-                                  shuffle_buffer=cfg.data.shuffle_buffer)
+        stream = self.data.train_stream()
         while prog.epoch < cfg.epochs and prog.step < self.total_steps:
             code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
             if code:
                 return code
-            val_loss, val_metric, metric_name = self.validate(model)
-            per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
-            prog.epoch += 1
-            prog.in_epoch = 0
-            row = {"epoch": prog.epoch, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
-                   "val_metric": val_metric, "val_metric_name": metric_name, "lr": sched.get_last_lr()[0],
-                   "images_per_sec": float(sum(per_rank)), "images_per_sec_per_rank": [float(v) for v in per_rank],
-                   "epoch_time_s": stats["elapsed"], "world_size": backend.size}
-            prog.history.append(row)
-            _log(backend, json.dumps(row))
-            if writer is not None:
-                for k in ("train_loss", "val_loss", "val_metric", "images_per_sec"):
-                    writer.add_scalar(f"{cfg.stage}/{k}", row[k], prog.step)
-            if val_metric > prog.best["metric"]:
-                prog.best = {"metric": val_metric, "epoch": prog.epoch}
-                if backend.is_root:
-                    ckpt.save_atomic(self._model_file(model, prog.epoch, val_metric, metric_name),
-                                     Path(self.paths.ckpt_dir) / "best.pt")
-            self._save(model, opt, sched, prog)
+            self._end_epoch(model, opt, sched, prog, stats, writer)
         self._finish(model, prog.history, prog.best)
         return 0
+
+    def _end_epoch(self, model, opt, sched, prog: Progress, stats: dict, writer) -> None:
+        """Validate, record the epoch, keep the best model, checkpoint."""
+        cfg, backend = self.cfg, self.backend
+        val_loss, val_metric, metric_name = self.validate(model)
+        per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
+        prog.epoch += 1
+        prog.in_epoch = 0
+        row = {"epoch": prog.epoch, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
+               "val_metric": val_metric, "val_metric_name": metric_name, "lr": sched.get_last_lr()[0],
+               "images_per_sec": float(sum(per_rank)), "images_per_sec_per_rank": [float(v) for v in per_rank],
+               "epoch_time_s": stats["elapsed"], "world_size": backend.size}
+        prog.history.append(row)
+        _log(backend, json.dumps(row))
+        if writer is not None:
+            for k in ("train_loss", "val_loss", "val_metric", "images_per_sec"):
+                writer.add_scalar(f"{cfg.stage}/{k}", row[k], prog.step)
+        if val_metric > prog.best["metric"]:
+            prog.best = {"metric": val_metric, "epoch": prog.epoch}
+            if backend.is_root:
+                ckpt.save_atomic(self._model_file(model, prog.epoch, val_metric, metric_name),
+                                 Path(self.paths.ckpt_dir) / "best.pt")
+        self._save(model, opt, sched, prog)
 
     def train_one_epoch(self, model, opt, sched, stream, prog: Progress, writer) -> tuple[int, dict]:
         """Steps of epoch ``prog.epoch`` from step ``prog.in_epoch`` on. Returns (exit code, stats):
         0 when the epoch ended, EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
         cfg, backend, device = self.cfg, self.backend, self.device
         stream.set_epoch(prog.epoch, skip_batches=prog.in_epoch * self.bpps)   # resume: batches not yet used
-        loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
-                                  pin_memory=device.type == "cuda")
+        loader = self.data.loader(stream, pin_memory=device.type == "cuda")
         self._train_mode(model)
         t0, seen = time.perf_counter(), 0
         loss_sum, n_loss = torch.zeros((), device=device), 0
@@ -381,9 +375,7 @@ class Trainer:
             images, targets, _ = next(batches)
             images = images.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            x = data.gpu_augment(images, out_size=cfg.data.crop, train=True, cfg=cfg.data.augment, generator=gen)
-            if self.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = self.data.augment(images, train=True, generator=gen, channels_last=self.channels_last)
             sync = backend.no_sync(model) if micro < self.bpps - 1 else contextlib.nullcontext()
             with sync, torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 logits = model(x)
@@ -411,21 +403,16 @@ class Trainer:
 
     def validate(self, model) -> tuple[float, float, str]:
         """Validation loss and metric (accuracy | mean AUROC) over every rank's share of the split."""
-        cfg, backend, device = self.cfg, self.backend, self.device
-        stream = data.ShardStream(self.val_shards, rank=backend.rank, world=backend.size, seed=cfg.seed,
-                                  batch_size=cfg.batch_size, shuffle=False)
-        loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
-                                  pin_memory=device.type == "cuda")
+        backend, device = self.backend, self.device
+        loader = self.data.val_loader(pin_memory=device.type == "cuda")
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
         model.eval()
         scores, targets_all = [], []
         loss_sum, count = torch.zeros((), device=device), 0
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             for images, targets, _ in loader:
-                x = data.gpu_augment(images.to(device, non_blocking=True), out_size=cfg.data.crop, train=False,
-                                     cfg=cfg.data.augment, generator=None)
-                if self.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
+                x = self.data.augment(images.to(device, non_blocking=True), train=False, generator=None,
+                                      channels_last=self.channels_last)
                 logits = model(x).float()
                 loss_sum += task_loss(self.task, logits, targets.to(device, non_blocking=True)) * images.shape[0]
                 count += images.shape[0]

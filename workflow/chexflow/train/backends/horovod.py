@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from chexflow.train.checkpoint import to_cpu
-from chexflow.train.distributed import Backend, DistributedError, expected_world_size
+from chexflow.train.backends.base import Backend, DistributedError, expected_world_size
 
 
 def dense_layout_compression(inner, *, stage_through_cpu: bool = False):

@@ -1,8 +1,7 @@
-"""The one distributed interface the trainer sees.
+"""The Backend interface: what the trainer may ask of a world of ranks.
 
-Every Horovod call lives in ``horovod_backend.py`` and every ``torch.distributed`` call in
-``ddp_backend.py``; the trainer only calls the methods of :class:`Backend`. ``single`` runs one
-process without any communication library (laptops, debugging).
+This class is the single-process world (``single``: laptops, debugging); ``horovod.py`` and
+``ddp.py`` implement the same methods with Horovod and ``torch.distributed``.
 """
 from __future__ import annotations
 
@@ -68,33 +67,6 @@ class Backend:
 
     def shutdown(self) -> None:
         pass
-
-
-def init_backend(name: str, *, fusion_threshold_mb: int = 64, stage_through_cpu: bool = False,
-                 process_group: str = "auto", timeout_s: int = 1800) -> Backend:
-    """Initialise the backend named in the config (``horovod`` | ``ddp`` | ``single``).
-
-    ``fusion_threshold_mb`` and ``stage_through_cpu`` are Horovod's; ``process_group`` and
-    ``timeout_s`` are DDP's."""
-    if name == "single":
-        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1)
-        if world > 1:
-            raise DistributedError(f"backend 'single' cannot run {world} ranks; use horovod or ddp")
-        return Backend()
-    if name == "horovod":
-        from chexflow.train.horovod_backend import HorovodBackend
-        return HorovodBackend(fusion_threshold_mb=fusion_threshold_mb, stage_through_cpu=stage_through_cpu)
-    if name == "ddp":
-        from chexflow.train.ddp_backend import DDPBackend
-        return DDPBackend(process_group=process_group, timeout_s=timeout_s)
-    raise DistributedError(f"train.backend: unknown backend {name!r} (horovod | ddp | single)")
-
-
-def backend_for(cfg) -> Backend:
-    """The backend a TrainConfig asks for, with its Horovod/DDP settings."""
-    return init_backend(cfg.backend, fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
-                        stage_through_cpu=cfg.horovod.stage_through_cpu,
-                        process_group=cfg.ddp.process_group, timeout_s=cfg.ddp.timeout_s)
 
 
 def expected_world_size() -> int | None:

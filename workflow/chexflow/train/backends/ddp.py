@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from chexflow.train.checkpoint import to_cpu
-from chexflow.train.distributed import Backend, DistributedError
+from chexflow.train.backends.base import Backend, DistributedError
 
 
 def _env_from_slurm() -> None:
