@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from chexflow.config import EvaluateConfig
-from chexflow.data import loader as data
+from chexflow.data import loader
 from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc, mean_auroc, operating_point, youden_threshold
 from chexflow.evaluate.published import CHEXNET
 from chexflow.fsutil import atomic_path, write_text_atomic
@@ -23,13 +23,13 @@ from chexflow.train.models import build_model
 
 
 def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
-    stream = data.ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
-    loader = data.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
+    stream = loader.ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
+    batches = loader.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
     scores, targets, patients, images = [], [], [], []
     model.eval()
     with torch.no_grad():
-        for x, y, ids in loader:
-            z = data.gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
+        for x, y, ids in batches:
+            z = loader.gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
             scores.append(torch.sigmoid(model(z).float()).cpu().numpy())
             targets.append(y.numpy().astype(np.float64))
             patients += [i.patient for i in ids]
@@ -49,8 +49,8 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
     model.to(device)
     crop = int(info.get("crop", cfg.crop))
 
-    val = predict(model, data.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
-    test = predict(model, data.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)
+    val = predict(model, loader.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
+    test = predict(model, loader.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)
     s, y, patients, images = test
 
     per_label = auroc_per_label(y, s, labels)
