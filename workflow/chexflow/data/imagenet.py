@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from chexflow.data import nih
+from chexflow.data import archives, images
 from chexflow.data.parts import IMAGENET_VAL_PART as VAL_PART
 from chexflow.data.parts import TRAIN_PART_RE as _TRAIN_PART
 from chexflow.data.parts import check_train_parts
@@ -140,7 +140,7 @@ def read_devkit(path: Path | str) -> Devkit:
     unsafe: list[str] = []
     try:
         with tarfile.open(path, mode="r:gz") as tar:
-            for member in nih.safe_members(tar, lambda name, why: unsafe.append(f"{name}: {why}")):
+            for member in archives.safe_members(tar, lambda name, why: unsafe.append(f"{name}: {why}")):
                 name = member.name[2:] if member.name.startswith("./") else member.name
                 if name in wanted:
                     fh = tar.extractfile(member)
@@ -187,11 +187,11 @@ def _class_stream(outer: tarfile.TarFile, member: tarfile.TarInfo, wnid: str, wh
     fh = outer.extractfile(member)
     try:
         with tarfile.open(fileobj=fh, mode="r|") as inner:
-            for m in nih.safe_members(inner, lambda name, why: report(f"{member.name}/{name}", why)):
+            for m in archives.safe_members(inner, lambda name, why: report(f"{member.name}/{name}", why)):
                 if _is_image(m.name):
-                    yield wnid, nih.posix_basename(m.name), _read_member(inner, m)
+                    yield wnid, archives.posix_basename(m.name), _read_member(inner, m)
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise nih.ArchiveError(f"{where}: per-class tar {member.name} is truncated or corrupt "
+        raise archives.ArchiveError(f"{where}: per-class tar {member.name} is truncated or corrupt "
                                f"({type(exc).__name__}: {exc})") from exc
 
 
@@ -209,8 +209,8 @@ def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
     try:
         with tarfile.open(path, mode="r:") as outer:   # random access: headers only, data seeked over
             members: dict[str, tarfile.TarInfo] = {}
-            for m in nih.safe_members(outer, on_skip):
-                base = nih.posix_basename(m.name)
+            for m in archives.safe_members(outer, on_skip):
+                base = archives.posix_basename(m.name)
                 if base.endswith(".tar"):
                     members[base[:-4]] = m
             missing = [w for w in classes if w not in members]
@@ -226,9 +226,9 @@ def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
                 except StopIteration:
                     streams.pop(i)
     except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise nih.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
+        raise archives.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
     except OSError as exc:
-        raise nih.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
+        raise archives.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
 
 
 def iter_val(path: Path | str, *, on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, bytes]]:
@@ -238,13 +238,13 @@ def iter_val(path: Path | str, *, on_skip: Callable[[str, str], None]) -> Iterat
         raise FileNotFoundError(f"{path}: ImageNet val archive not found")
     try:
         with tarfile.open(path, mode="r|") as tar:
-            for m in nih.safe_members(tar, on_skip):
+            for m in archives.safe_members(tar, on_skip):
                 if _is_image(m.name):
-                    yield nih.posix_basename(m.name), _read_member(tar, m)
+                    yield archives.posix_basename(m.name), _read_member(tar, m)
     except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise nih.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
+        raise archives.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
     except OSError as exc:
-        raise nih.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
+        raise archives.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
 
 
 def val_split_rows(devkit: Devkit) -> list[str]:
@@ -279,6 +279,6 @@ def iter_part(raw_dir: Path | str, part: str, *, train_parts: int, devkit: Devki
 def decode(data: bytes, *, name: str, size: int) -> np.ndarray:
     """JPEG (or whatever PIL reads) -> uint8 ``size x size`` grey: central square, resized.
 
-    Raises ``nih.DecodeError`` naming the image when it cannot be decoded.
+    Raises ``images.DecodeError`` naming the image when it cannot be decoded.
     """
-    return nih.resize_square(nih.decode_grey(data, name=name, draft=size), size)
+    return images.resize_square(images.decode_grey(data, name=name, draft=size), size)

@@ -34,7 +34,7 @@ import webdataset as wds
 from tqdm import tqdm
 
 from chexflow.config import ShardConfig, to_dict
-from chexflow.data import fashion_mnist, imagenet, nih
+from chexflow.data import fashion_mnist, imagenet, images, nih
 from chexflow.data import parts as _parts
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
 
@@ -164,7 +164,7 @@ def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: S
             split = split_of[key]
             keep = wanted(split, key)
             yield Sample(key, str(patient_of[key]), split, np.int64(lbl),
-                         nih.resize_square(img, cfg.image_size) if keep else None)
+                         images.resize_square(img, cfg.image_size) if keep else None)
         return
 
     def skipped(member: str, reason: str) -> None:
@@ -191,7 +191,7 @@ def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: S
             yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
 
     yield from _decoded(labelled(), part, wanted, rejects,
-                        lambda data, key: nih.decode_grey(data, name=key, size=cfg.image_size))
+                        lambda data, key: images.decode_grey(data, name=key, size=cfg.image_size))
 
 
 def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[Sample]:
@@ -203,7 +203,7 @@ def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[
             continue
         try:
             img = decode(data, key)
-        except nih.DecodeError as exc:
+        except images.DecodeError as exc:
             rejects.append({"image": key, "part": part, "reason": str(exc)})
             continue
         yield Sample(key, patient, split, target, img)
