@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from chexflow.data import images, nih, phantoms
-from chexflow.data.sources import NIH_N_ARCHIVES, NIH_TABLES, archive_name
+from chexflow.data.nih import NIH_N_ARCHIVES, NIH_TABLES, archive_name
 
 BIG = 1024          # the release's image side
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from chexflow.data import download as D
+from chexflow.data import fashion_mnist, nih
 from chexflow.data import sources as S
 
 try:
@@ -306,8 +307,8 @@ def test_load_checksums_formats(tmp_path):
 
 
 def _demo_release(d: Path, n: int) -> dict[str, bytes]:
-    files = {S.archive_name(i): _payload(200_000 + i, seed=i) for i in range(1, n + 1)}
-    files.update({t: f"{t}\n".encode() for t in S.NIH_TABLES})
+    files = {nih.archive_name(i): _payload(200_000 + i, seed=i) for i in range(1, n + 1)}
+    files.update({t: f"{t}\n".encode() for t in nih.NIH_TABLES})
     for k, v in files.items():
         (d / k).write_bytes(v)
     (d / "SHA256SUMS").write_text("".join(f"{_sha(v)}  {k}\n" for k, v in files.items()))
@@ -355,9 +356,9 @@ def test_resolve_url():
     g = fm.file("t10k-labels-idx1-ubyte.gz")
     assert S.resolve_url(fm, g, None) == \
         "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/t10k-labels-idx1-ubyte.gz"
-    nih = S.get_source("nih")
+    real = S.get_source("nih")
     with pytest.raises(S.NoURLError, match="nihcc.app.box.com/v/ChestXray-NIHCC"):
-        S.resolve_url(nih, nih.file("Data_Entry_2017_v2020.csv"), None)
+        S.resolve_url(real, real.file("Data_Entry_2017_v2020.csv"), None)
 
 
 def test_unknown_source_lists_known_ones():
@@ -388,7 +389,7 @@ def test_nih_demo_and_imagenet_registry():
     demo = S.get_source("nih_demo", n_archives=4)
     assert demo.synthetic and demo.checksums_file == "SHA256SUMS"
     assert [a.name for a in S.archives(demo)] == [f"images_{i:03d}.tar.gz" for i in range(1, 5)]
-    assert S.file_names(demo)[4:] == list(S.NIH_TABLES)
+    assert S.file_names(demo)[4:] == list(nih.NIH_TABLES)
     with pytest.raises(ValueError, match="n_archives"):
         S.get_source("nih_demo")
     inet = S.get_source("imagenet")
@@ -399,7 +400,7 @@ def test_nih_demo_and_imagenet_registry():
     assert all(f.url is None for f in inet.files) and "image-net.org" in inet.how_to_obtain
 
 
-@pytest.mark.skipif(not Path(S.DEBIAN_FASHION_MNIST_DIR).is_dir(), reason="Debian dataset-fashion-mnist not installed")
+@pytest.mark.skipif(not Path(fashion_mnist.DEBIAN_FASHION_MNIST_DIR).is_dir(), reason="Debian dataset-fashion-mnist not installed")
 def test_fashion_mnist_pins_match_debian_copies(tmp_path):
     """The Debian copies (gzip header normalised) restore to bytes with the published md5s."""
     src = S.get_source("fashion_mnist")
@@ -412,10 +413,10 @@ def test_fashion_mnist_pins_match_debian_copies(tmp_path):
         "train-images-idx3-ubyte.gz": "archive", "t10k-images-idx3-ubyte.gz": "archive",
         "train-labels-idx1-ubyte.gz": "labels", "t10k-labels-idx1-ubyte.gz": "labels"}
     for f in src.files:
-        deb = Path(S.DEBIAN_FASHION_MNIST_DIR) / f.name
+        deb = Path(fashion_mnist.DEBIAN_FASHION_MNIST_DIR) / f.name
         assert deb.stat().st_size == f.size - len(f.name) + 2  # only the FNAME field ("name\0" sans .gz) differs
-        res = D.fetch_source_file(src, f.name, tmp_path, S.DEBIAN_FASHION_MNIST_DIR, progress=False)
+        res = D.fetch_source_file(src, f.name, tmp_path, fashion_mnist.DEBIAN_FASHION_MNIST_DIR, progress=False)
         body = res.path.read_bytes()
         assert _md5(body) == f.md5 and _sha(body) == f.sha256 and len(body) == f.size
         assert body[10:].startswith(f.name[:-3].encode() + b"\0") and body[10 + len(f.name) - 2:] == deb.read_bytes()[10:]
-        assert D.fetch_source_file(src, f.name, tmp_path, S.DEBIAN_FASHION_MNIST_DIR, progress=False).cached
+        assert D.fetch_source_file(src, f.name, tmp_path, fashion_mnist.DEBIAN_FASHION_MNIST_DIR, progress=False).cached
