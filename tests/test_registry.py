@@ -91,8 +91,9 @@ class _Toy(Dataset):
     split_roles: tuple[str, ...] = ("labels",)
 
     def source(self, n_archives: int | None = None) -> Source:
-        return Source("toy", "Toy", (RemoteFile("a.zip", None, role="archive"), RemoteFile("b.zip", None, role="archive"),
-                                     RemoteFile("labels.csv", None, role="labels")))
+        files = (RemoteFile("a.zip", None, role="archive"), RemoteFile("b.zip", None, role="archive"),
+                 RemoteFile("labels.csv", None, role="labels"))
+        return Source("toy", "Toy", files)
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
         return [f.name.removesuffix(".zip") for f in self.source().files if f.role == "archive"]
@@ -110,7 +111,8 @@ def test_a_new_dataset_is_one_adapter_and_one_registry_entry(monkeypatch):
     monkeypatch.setattr(registry, "NAMES", tuple(registry.DATASETS))
     schema = C.study_schema()
     assert "toy" in schema["properties"]["study"]["properties"]["finetune_dataset"]["enum"]
-    assert "toy" in schema["properties"]["datasets"]["properties"] and "toy" in schema["properties"]["shards"]["properties"]
+    for section in ("datasets", "shards"):
+        assert "toy" in schema["properties"][section]["properties"]
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg["study"]["finetune_dataset"] = "toy"
     cfg["datasets"]["toy"] = {"mirror": "/somewhere"}
