@@ -4,8 +4,8 @@ import math
 import os
 import sys
 
-from chexflow.data import sources as _sources
-from chexflow.data import parts as _parts   # cheap: no numpy/torch at DAG time
+from chexflow.config import ShardConfig, from_dict
+from chexflow.data import registry as _registry   # cheap: no torch/webdataset at DAG time
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
 shell.prefix(f"set -euo pipefail; export PATH=\"$PATH:{os.path.dirname(sys.executable)}\"; ")
@@ -16,7 +16,7 @@ DEMO_DIR = "data/demo/nih_demo"
 
 
 wildcard_constraints:
-    dataset="fashion_mnist|nih_demo|nih|imagenet",
+    dataset="|".join(_registry.NAMES),
     part="[A-Za-z0-9_]+",
     file="[^/]+",
 
@@ -26,21 +26,21 @@ def n_demo_archives():
     return math.ceil(d.get("n_images", 3000) / d.get("images_per_archive", 1000))
 
 
-def nih_archives():
-    """The declared pilot subset of the NIH archives (datasets.nih.archives), None = all 12."""
-    return _parts.check_nih_archives((config.get("datasets", {}).get("nih") or {}).get("archives"))
+def pilot_archives(dataset):
+    """A declared pilot subset of a release's archives (datasets.<dataset>.archives), None = all."""
+    return (config.get("datasets", {}).get(dataset) or {}).get("archives")
 
 
 def source_of(dataset):
-    return _sources.get_source(dataset, n_archives=n_demo_archives() if dataset == "nih_demo" else None)
+    return _registry.get(dataset).source(n_archives=n_demo_archives() if dataset == "nih_demo" else None)
 
 
-def raw_files(dataset):
-    return [f"data/raw/{dataset}/{name}" for name in _sources.file_names(source_of(dataset))]
+def raw_paths(dataset, files):
+    return [f"data/raw/{dataset}/{f.name}" for f in files]
 
 
 def demo_release_files():
-    names = _sources.file_names(source_of("nih_demo"))
+    names = [f.name for f in source_of("nih_demo").files]
     return [f"{DEMO_DIR}/{name}" for name in names] + [f"{DEMO_DIR}/SHA256SUMS"]
 
 
@@ -64,30 +64,33 @@ def shard_config_json(wildcards):
     return json.dumps({**config["shards"][wildcards.dataset], "dataset": wildcards.dataset})
 
 
+def gather_settings(dataset):
+    """The shard settings plus a declared pilot subset of the archives (only the gather needs it:
+    the split and the parts are the same for a pilot and the full release)."""
+    archives = pilot_archives(dataset)
+    has_pilot = "archives" in _registry.get(dataset).source_options()
+    pilot = {"archives": None if archives is None else sorted(archives)} if has_pilot else {}
+    return {**config["shards"][dataset], "dataset": dataset, **pilot}
+
+
 def gather_config_json(wildcards):
-    """The shard settings plus, for nih, the declared pilot subset (only the gather needs it: the
-    split and the parts are the same for a pilot and the full release)."""
-    pilot = {"archives": nih_archives()} if wildcards.dataset == "nih" else {}
-    return json.dumps({**config["shards"][wildcards.dataset], "dataset": wildcards.dataset, **pilot})
+    return json.dumps(gather_settings(wildcards.dataset))
 
 
 def split_inputs(wildcards):
-    if wildcards.dataset == "fashion_mnist":
-        return raw_files("fashion_mnist")
-    if wildcards.dataset == "imagenet":
-        return ["data/raw/imagenet/ILSVRC2012_devkit_t12.tar.gz"]   # val ground truth
-    base = f"data/raw/{wildcards.dataset}"
-    return [f"{base}/Data_Entry_2017_v2020.csv", f"{base}/train_val_list.txt", f"{base}/test_list.txt"]
+    """The raw files the split reads: the source's files of the roles the dataset's adapter names."""
+    source = source_of(wildcards.dataset)
+    return raw_paths(wildcards.dataset, _registry.get(wildcards.dataset).split_files(source))
 
 
 def part_inputs(wildcards):
-    return [f"data/raw/{wildcards.dataset}/{name}" for name in _parts.part_files(wildcards.dataset, wildcards.part)]
+    source = source_of(wildcards.dataset)
+    return raw_paths(wildcards.dataset, _registry.get(wildcards.dataset).part_files(source, wildcards.part))
 
 
 def part_manifests(wildcards):
-    parts = _parts.parts_of(wildcards.dataset, n_demo_archives(),
-                             train_parts=config["shards"].get("imagenet", {}).get("train_parts"),
-                             archives=nih_archives())
+    cfg = from_dict(ShardConfig, gather_settings(wildcards.dataset))
+    parts = _registry.get(wildcards.dataset).parts(cfg, n_demo_archives())
     return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from chexflow.data import nih
+from chexflow.data import images, nih
+from chexflow.data.nih import NIH_N_ARCHIVES, NIH_TABLES, archive_name
 from chexflow.data.phantoms.release import make_release, write_archive
-from chexflow.data.sources import NIH_N_ARCHIVES, NIH_TABLES, archive_name
 
 BIG = 1024          # the release's image side
 
@@ -86,7 +86,7 @@ def make_nih_mirror(root: Path, generated: Path, *, n_big: int = 3, n_rgba: int 
                 continue
             to_big, to_rgba = a == 1 and i < n_big, a == 1 and n_big - 1 <= i < n_big - 1 + n_rgba
             if to_big or to_rgba:
-                data = _png(nih.decode_grey(data, name=img), size=BIG if to_big else None, rgba=to_rgba)
+                data = _png(images.decode_grey(data, name=img), size=BIG if to_big else None, rgba=to_rgba)
                 (big if to_big else []).append(img)
                 (rgba if to_rgba else []).append(img)
             if (a, i) in corrupt:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from chexflow.data import download as D
+from chexflow.data import nih
 from chexflow.data import sources as S
 
 try:
@@ -307,8 +308,8 @@ def test_load_checksums_formats(tmp_path):
 
 
 def _demo_release(d: Path, n: int) -> dict[str, bytes]:
-    files = {S.archive_name(i): _payload(200_000 + i, seed=i) for i in range(1, n + 1)}
-    files.update({t: f"{t}\n".encode() for t in S.NIH_TABLES})
+    files = {nih.archive_name(i): _payload(200_000 + i, seed=i) for i in range(1, n + 1)}
+    files.update({t: f"{t}\n".encode() for t in nih.NIH_TABLES})
     for k, v in files.items():
         (d / k).write_bytes(v)
     (d / "SHA256SUMS").write_text("".join(f"{_sha(v)}  {k}\n" for k, v in files.items()))
@@ -356,9 +357,9 @@ def test_resolve_url():
     g = fm.file("t10k-labels-idx1-ubyte.gz")
     assert S.resolve_url(fm, g, None) == \
         "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/t10k-labels-idx1-ubyte.gz"
-    nih = S.get_source("nih")
+    real = S.get_source("nih")
     with pytest.raises(S.NoURLError, match="nihcc.app.box.com/v/ChestXray-NIHCC"):
-        S.resolve_url(nih, nih.file("Data_Entry_2017_v2020.csv"), None)
+        S.resolve_url(real, real.file("Data_Entry_2017_v2020.csv"), None)
 
 
 def test_unknown_source_lists_known_ones():
@@ -389,7 +390,7 @@ def test_nih_demo_and_imagenet_registry():
     demo = S.get_source("nih_demo", n_archives=4)
     assert demo.synthetic and demo.checksums_file == "SHA256SUMS"
     assert [a.name for a in S.archives(demo)] == [f"images_{i:03d}.tar.gz" for i in range(1, 5)]
-    assert S.file_names(demo)[4:] == list(S.NIH_TABLES)
+    assert S.file_names(demo)[4:] == list(nih.NIH_TABLES)
     with pytest.raises(ValueError, match="n_archives"):
         S.get_source("nih_demo")
     inet = S.get_source("imagenet")

@@ -104,7 +104,7 @@ def _build(root, cfg):
     raw, out = root / "raw", root / "shards"
     S.split_dataset("imagenet", raw, cfg, out / "splits.csv")
     parts = []
-    for part in S.parts_of("imagenet", train_parts=cfg.train_parts):
+    for part in S.parts_of("imagenet", cfg):
         m = S.write_part("imagenet", part, raw, out / "splits.csv", out / "parts" / part, cfg)
         parts.append((part, m))
     gathered = S.gather("imagenet", [out / "parts" / p / "manifest.json" for p, _ in parts], out / "manifest.json", cfg)

@@ -222,7 +222,7 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
         jobs, html, manifest, metrics = _run(work, _study_config(srv.base_url, [1, 2]))
         assert jobs["download_file"] == 4 + 2 + 3 and jobs["write_shards"] == 2 + 2
         fetched = sorted({r.path for r in srv.requests if r.status in (200, 206)})
-        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *sources.NIH_TABLES])
+        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *nih.NIH_TABLES])
         cov = manifest["coverage"]
         assert cov["pilot"] and (cov["n_listed"], cov["n_found"], cov["n_missing"]) == (360, 60, 300)
         assert sum(s["n_images"] for s in manifest["splits"].values()) == 60

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from chexflow.data import nih
+from chexflow.data import images, nih
 from chexflow.data.phantoms.anatomy import sample_anatomy
 from chexflow.data.phantoms.draw import render_phantom
 from chexflow.data.phantoms.release import (GENERATOR_VERSION, ReleaseError, ReleaseInfo, image_rng, make_release,
@@ -52,7 +52,7 @@ def test_release_layout_and_contents(release):
         members = list(nih.iter_archive(out / name, on_skip=lambda m, why: pytest.fail(f"{m}: {why}")))
         assert len(members) == count
         for image, data in members:
-            img = nih.decode_grey(data, name=image)
+            img = images.decode_grey(data, name=image)
             assert img.shape == (48, 48) and img.dtype == np.uint8 and img.std() > 10
         seen += [m for m, _ in members]
     assert seen == list(labels.index)                            # CSV rows == archive members, same order

@@ -89,19 +89,19 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
 
     out = tmp_path / "crash"
     calls = {"n": 0}
-    real = S.nih.decode_grey
+    real = S.images.decode_grey
 
     def crashing(data, *, name, **kw):
         calls["n"] += 1
         if calls["n"] == 45:
             raise KeyboardInterrupt("simulated crash")
         return real(data, name=name, **kw)
-    S.nih.decode_grey = crashing
+    S.images.decode_grey = crashing
     try:
         with pytest.raises(KeyboardInterrupt):
             S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", out, cfg)
     finally:
-        S.nih.decode_grey = real
+        S.images.decode_grey = real
     assert not (out / "manifest.json").exists()
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
     assert before, "some shards were finished before the crash"
@@ -110,11 +110,11 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
     def counting(data, *, name, **kw):
         decoded["n"] += 1
         return real(data, name=name, **kw)
-    S.nih.decode_grey = counting
+    S.images.decode_grey = counting
     try:
         resumed = S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", out, cfg)
     finally:
-        S.nih.decode_grey = real
+        S.images.decode_grey = real
     assert decoded["n"] == 80 - sum(s["count"] for s in resumed["shards"] if s["file"] in before)
     for name, mtime in before.items():
         assert (out / name).stat().st_mtime_ns == mtime   # untouched

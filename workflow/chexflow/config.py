@@ -338,21 +338,24 @@ def dataclass_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict:
     return {"type": "object", "additionalProperties": False, "properties": props}
 
 
-DATASETS = ("fashion_mnist", "nih_demo", "nih", "imagenet")
+# ShardConfig fields that only some datasets have (``Dataset.shard_options``); ``archives`` is set
+# through datasets.<name>.archives, never under shards:
+_DATASET_SHARD_KEYS = ("dataset", "train_parts", "archives")
 
 
 def study_schema() -> dict:
-    """The JSON schema of config.yaml (kept in sync with the dataclasses by a test)."""
-    shard = dataclass_schema(ShardConfig, exclude=("dataset", "train_parts", "archives"))
-    shard_imagenet = dataclass_schema(ShardConfig, exclude=("dataset", "archives"))
+    """The JSON schema of config.yaml (kept in sync with the dataclasses by a test); the datasets,
+    their stages and their own keys come from ``chexflow.data.registry``."""
+    from chexflow.data.registry import DATASETS   # imports the dataset modules, which import this one
     train = dataclass_schema(TrainConfig, exclude=("stage", "dataset"))
-    source = {"type": "object", "additionalProperties": False,
-              "properties": {"mirror": {"type": ["string", "null"]}}}
-    from chexflow.data.sources import NIH_N_ARCHIVES
-    nih_source = {"type": "object", "additionalProperties": False,
-                  "properties": {"mirror": {"type": ["string", "null"]},
-                                 "archives": {"type": ["array", "null"], "minItems": 1, "uniqueItems": True,
-                                              "items": {"type": "integer", "minimum": 1, "maximum": NIH_N_ARCHIVES}}}}
+    datasets = {name: {"type": "object", "additionalProperties": False,
+                       "properties": {"mirror": {"type": ["string", "null"]}, **d.source_options()}}
+                for name, d in DATASETS.items()}
+    shards = {name: dataclass_schema(ShardConfig, exclude=tuple(k for k in _DATASET_SHARD_KEYS
+                                                                if k not in d.shard_options))
+              for name, d in DATASETS.items()}
+    stage_enum = {stage: {"enum": [n for n, d in DATASETS.items() if d.stage == stage]}
+                  for stage in ("pretrain", "finetune")}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "description": "chexflow config.yaml (generated from chexflow.config: `python -m chexflow.config`)",
@@ -362,13 +365,11 @@ def study_schema() -> dict:
             "study": {"type": "object", "additionalProperties": False,
                       "required": ["pretrain_dataset", "finetune_dataset"],
                       "properties": {"name": {"type": "string"},
-                                     "pretrain_dataset": {"enum": ["fashion_mnist", "imagenet"]},
-                                     "finetune_dataset": {"enum": ["nih_demo", "nih"]}}},
-            "datasets": {"type": "object", "additionalProperties": False,
-                         "properties": {d: nih_source if d == "nih" else source for d in DATASETS}},
+                                     "pretrain_dataset": stage_enum["pretrain"],
+                                     "finetune_dataset": stage_enum["finetune"]}},
+            "datasets": {"type": "object", "additionalProperties": False, "properties": datasets},
             "demo_release": dataclass_schema(DemoReleaseConfig),
-            "shards": {"type": "object", "additionalProperties": False,
-                       "properties": {d: shard_imagenet if d == "imagenet" else shard for d in DATASETS}},
+            "shards": {"type": "object", "additionalProperties": False, "properties": shards},
             "pretrain": train,
             "finetune": train,
             "evaluate": dataclass_schema(EvaluateConfig),

@@ -25,7 +25,8 @@ import requests
 import urllib3
 from tqdm import tqdm
 
-from chexflow.data.sources import FASHION_MNIST_GZIP_MTIME, Source, join_base, resolve_url
+from chexflow.data.fashion_mnist import FASHION_MNIST_GZIP_MTIME
+from chexflow.data.sources import Source, join_base, resolve_url
 from chexflow.fsutil import write_text_atomic
 
 __all__ = ["DownloadError", "NotFoundError", "ChecksumMismatch", "TruncatedDownload", "InsufficientSpace",

@@ -38,6 +38,7 @@ fails to decode goes to the part's rejects with the reason; members that are not
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -45,12 +46,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+import pandas as pd
 
-from chexflow.data import nih
-from chexflow.data.parts import IMAGENET_VAL_PART as VAL_PART
-from chexflow.data.parts import TRAIN_PART_RE as _TRAIN_PART
-from chexflow.data.parts import check_train_parts
-from chexflow.data.parts import imagenet_parts as part_names
+from chexflow.config import ShardConfig
+from chexflow.data import archives, images
+from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
+from chexflow.data.sources import RemoteFile, Source
 
 TRAIN_TAR = "ILSVRC2012_img_train.tar"
 VAL_TAR = "ILSVRC2012_img_val.tar"
@@ -58,6 +59,9 @@ DEVKIT = "ILSVRC2012_devkit_t12.tar.gz"
 META_MAT = "ILSVRC2012_devkit_t12/data/meta.mat"
 VAL_GROUND_TRUTH = "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt"
 _IMAGE_EXT = (".jpeg", ".jpg")
+VAL_PART = "val"
+MAX_TRAIN_PARTS = 1000   # train_000 .. train_999: at most one part per class
+_TRAIN_PART = re.compile(r"train_(\d{3})")
 
 
 class ImageNetError(ValueError):
@@ -78,6 +82,32 @@ class Devkit:
 def val_image_name(i: int) -> str:
     """Name of the i-th (1-based) val image: ``ILSVRC2012_val_00000001.JPEG``."""
     return f"ILSVRC2012_val_{i:08d}.JPEG"
+
+
+# --------------------------------------------------------------------------- the release's files
+
+def source() -> Source:
+    how = ("ImageNet (ILSVRC2012) requires registration at https://image-net.org/ ; download "
+           "ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar and ILSVRC2012_devkit_t12.tar.gz and give "
+           "their directory (or a file:// / http(s) URL of it) as the mirror.")
+    return Source(
+        name="imagenet", title="ImageNet ILSVRC2012",
+        files=(RemoteFile(TRAIN_TAR, None, md5="1d675b47d978889d74fa0da5fadfb00e", role="archive"),
+               RemoteFile(VAL_TAR, None, md5="29b22e2961454d5413ddabcf34fc5622", role="archive"),
+               RemoteFile(DEVKIT, None, md5="fa75699e90414af021442c21a62c3abf",
+                          role="devkit")),
+        how_to_obtain=how)
+
+
+def check_train_parts(train_parts: int) -> int:
+    if isinstance(train_parts, bool) or not isinstance(train_parts, int) or not 1 <= train_parts <= MAX_TRAIN_PARTS:
+        raise ImageNetError(f"imagenet: train_parts must be an integer in 1..{MAX_TRAIN_PARTS}, got {train_parts!r}")
+    return train_parts
+
+
+def part_names(train_parts: int) -> list[str]:
+    """``train_000`` ... ``train_{N-1}`` (class ranges of the train archive) and ``val``."""
+    return [f"train_{i:03d}" for i in range(check_train_parts(train_parts))] + [VAL_PART]
 
 
 # --------------------------------------------------------------------------- devkit
@@ -140,7 +170,7 @@ def read_devkit(path: Path | str) -> Devkit:
     unsafe: list[str] = []
     try:
         with tarfile.open(path, mode="r:gz") as tar:
-            for member in nih.safe_members(tar, lambda name, why: unsafe.append(f"{name}: {why}")):
+            for member in archives.safe_members(tar, lambda name, why: unsafe.append(f"{name}: {why}")):
                 name = member.name[2:] if member.name.startswith("./") else member.name
                 if name in wanted:
                     fh = tar.extractfile(member)
@@ -187,11 +217,11 @@ def _class_stream(outer: tarfile.TarFile, member: tarfile.TarInfo, wnid: str, wh
     fh = outer.extractfile(member)
     try:
         with tarfile.open(fileobj=fh, mode="r|") as inner:
-            for m in nih.safe_members(inner, lambda name, why: report(f"{member.name}/{name}", why)):
+            for m in archives.safe_members(inner, lambda name, why: report(f"{member.name}/{name}", why)):
                 if _is_image(m.name):
-                    yield wnid, nih.posix_basename(m.name), _read_member(inner, m)
+                    yield wnid, archives.posix_basename(m.name), _read_member(inner, m)
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise nih.ArchiveError(f"{where}: per-class tar {member.name} is truncated or corrupt "
+        raise archives.ArchiveError(f"{where}: per-class tar {member.name} is truncated or corrupt "
                                f"({type(exc).__name__}: {exc})") from exc
 
 
@@ -209,8 +239,8 @@ def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
     try:
         with tarfile.open(path, mode="r:") as outer:   # random access: headers only, data seeked over
             members: dict[str, tarfile.TarInfo] = {}
-            for m in nih.safe_members(outer, on_skip):
-                base = nih.posix_basename(m.name)
+            for m in archives.safe_members(outer, on_skip):
+                base = archives.posix_basename(m.name)
                 if base.endswith(".tar"):
                     members[base[:-4]] = m
             missing = [w for w in classes if w not in members]
@@ -226,9 +256,9 @@ def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
                 except StopIteration:
                     streams.pop(i)
     except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise nih.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
+        raise archives.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
     except OSError as exc:
-        raise nih.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
+        raise archives.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
 
 
 def iter_val(path: Path | str, *, on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, bytes]]:
@@ -238,13 +268,13 @@ def iter_val(path: Path | str, *, on_skip: Callable[[str, str], None]) -> Iterat
         raise FileNotFoundError(f"{path}: ImageNet val archive not found")
     try:
         with tarfile.open(path, mode="r|") as tar:
-            for m in nih.safe_members(tar, on_skip):
+            for m in archives.safe_members(tar, on_skip):
                 if _is_image(m.name):
-                    yield nih.posix_basename(m.name), _read_member(tar, m)
+                    yield archives.posix_basename(m.name), _read_member(tar, m)
     except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise nih.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
+        raise archives.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
     except OSError as exc:
-        raise nih.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
+        raise archives.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
 
 
 def val_split_rows(devkit: Devkit) -> list[str]:
@@ -279,6 +309,59 @@ def iter_part(raw_dir: Path | str, part: str, *, train_parts: int, devkit: Devki
 def decode(data: bytes, *, name: str, size: int) -> np.ndarray:
     """JPEG (or whatever PIL reads) -> uint8 ``size x size`` grey: central square, resized.
 
-    Raises ``nih.DecodeError`` naming the image when it cannot be decoded.
+    Raises ``images.DecodeError`` naming the image when it cannot be decoded.
     """
-    return nih.resize_square(nih.decode_grey(data, name=name, draft=size), size)
+    return images.resize_square(images.decode_grey(data, name=name, draft=size), size)
+
+
+# --------------------------------------------------------------------------- the adapter (chexflow.data.registry)
+
+@dataclass(frozen=True)
+class ImageNet(Dataset):
+    """ILSVRC2012: ``train_parts`` class ranges of the train archive and ``val``, each read with
+    the devkit; the fixed official split (val = the official val set)."""
+    name: str = "imagenet"
+    stage: str = "pretrain"
+    split_roles: tuple[str, ...] = ("devkit",)   # the val ground truth
+    shard_options: tuple[str, ...] = ("train_parts",)
+
+    def source(self, n_archives: int | None = None) -> Source:
+        return source()
+
+    def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
+        return part_names(cfg.train_parts)
+
+    def part_files(self, source: Source, part: str) -> list[RemoteFile]:
+        archive = VAL_TAR if part == VAL_PART else TRAIN_TAR
+        return [source.file(archive), *(f for f in source.files if f.role == "devkit")]
+
+    def info(self, raw_dir: Path | None = None) -> DatasetInfo:
+        """The classes come from the devkit: without ``raw_dir`` the labels are empty (``gather``
+        then takes them from the part manifests)."""
+        labels = read_devkit(Path(raw_dir) / DEVKIT).wnids if raw_dir is not None else ()
+        return DatasetInfo(self.name, "ImageNet ILSVRC2012", "multiclass", tuple(labels), False,
+                           "official ILSVRC2012 train and val sets")
+
+    def split(self, raw_dir: Path, cfg: ShardConfig, *, expected: object = None) -> pd.DataFrame:
+        """Fixed: the official val set is "val"; every train-archive image is "train" and is not
+        listed (listing 1.28M names would mean reading all 1000 per-class tars here)."""
+        if cfg.val_fraction != 0:
+            raise ShardError(f"imagenet: val_fraction must be 0 (got {cfg.val_fraction}): the validation "
+                             "split is the official ILSVRC2012 val set")
+        names = val_split_rows(read_devkit(Path(raw_dir) / DEVKIT))
+        return pd.DataFrame({"image": names, "patient": names, "split": "val"})
+
+    def samples(self, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
+                report: Report) -> Iterator[tuple]:
+        """Each image is its own "patient" (train images are not in the split table)."""
+        devkit = read_devkit(Path(raw_dir) / DEVKIT)
+        val_images = set(splits["image"][splits["split"] == "val"])
+        for key, split, target, data in iter_part(raw_dir, part, train_parts=cfg.train_parts, devkit=devkit,
+                                                  val_images=val_images, report=report):
+            yield key, key, split, target, data
+
+    def decode(self, data: bytes, key: str, size: int) -> np.ndarray:
+        return decode(data, name=key, size=size)
+
+
+ADAPTER = ImageNet()

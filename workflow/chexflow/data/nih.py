@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import io
 import logging
-import os
 import tarfile
 import zlib
 from dataclasses import dataclass, fields
@@ -21,6 +19,12 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
+
+from chexflow.config import ShardConfig
+from chexflow.data import images
+from chexflow.data.archives import ArchiveError, posix_basename, safe_members
+from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
+from chexflow.data.sources import RemoteFile, Source
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +61,84 @@ class NIHError(ValueError):
     """A label file, split list or split assignment is inconsistent; the message names the file."""
 
 
-class ArchiveError(RuntimeError):
-    """An image archive is truncated, corrupt or not a gzip-compressed tar; names the archive."""
-
-
-class DecodeError(ValueError):
-    """An image could not be decoded."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(name, reason)
-        self.name = name
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"cannot decode image {self.name!r}: {self.reason}"
-
-
 def display_name(label: str) -> str:
     """Human-readable label name: ``Pleural_Thickening`` -> ``Pleural Thickening``."""
     if label not in LABELS:
         raise KeyError(f"unknown NIH label {label!r}; known: {', '.join(LABELS)}")
     return label.replace("_", " ")
+
+
+# --------------------------------------------------------------------------- the release's files
+_NIH_HOW = (
+    "The NIH ChestX-ray14 label and split files are in the NIH Box folder "
+    "https://nihcc.app.box.com/v/ChestXray-NIHCC (Data_Entry_2017_v2020.csv, train_val_list.txt, "
+    "test_list.txt); Data_Entry_2017_v2020.csv is also shipped inside the torchxrayvision wheel. "
+    "Put them in a directory (or serve it over HTTP) and pass it as the mirror."
+)
+# (Box shared-link id, md5) of images_001.tar.gz ... images_012.tar.gz, as published with
+# PyHealth's ChestX-ray14 loader (not verified by chexflow).
+_NIH_ARCHIVES = (
+    ("vfk49d74nhbxq3nqjg0900w5nvkorp5c", "fe8ed0a6961412fddcbb3603c11b3698"),
+    ("i28rlmbvmfjbl8p2n3ril0pptcmcu9d1", "ab07a2d7cbe6f65ddd97b4ed7bde10bf"),
+    ("f1t00wrtdk94satdfb9olcolqx20z2jp", "2301d03bde4c246388bad3876965d574"),
+    ("0aowwzs5lhjrceb3qp67ahp0rd1l1etg", "9f1b7f5aae01b13f4bc8e2c44a4b8ef6"),
+    ("v5e3goj22zr6h8tzualxfsqlqaygfbsn", "1861f3cd0ef7734df8104f2b0309023b"),
+    ("asi7ikud9jwnkrnkj99jnpfkjdes7l6l", "456b53a8b351afd92a35bc41444c58c8"),
+    ("jn1b4mw4n6lnh74ovmcjb8y48h8xj07n", "1075121ea20a137b87f290d6a4a5965e"),
+    ("tvpxmn7qyrgl0w8wfh9kqfjskv6nmm1j", "b61f34cec3aa69f295fbb593cbd9d443"),
+    ("upyy3ml7qdumlgk2rfcvlb9k6gvqq2pj", "442a3caa61ae9b64e61c561294d1e183"),
+    ("l6nilvfa9cg3s28tqv1qc1olm3gnz54p", "09ec81c4c31e32858ad8cf965c494b74"),
+    ("hhq8fkdgvcari67vfhs7ppg2w6ni4jze", "499aefc67207a5a97692424cf5dbeed5"),
+    ("ioqwiy20ihqwyr8pf4c24eazhh281pbu", "dc9fda1757c2de0032b63347a7d2895c"),
+)
+NIH_TABLES = (LABEL_CSV_NAME, "train_val_list.txt", "test_list.txt")
+NIH_N_ARCHIVES = len(_NIH_ARCHIVES)
+
+
+def archive_name(i: int) -> str:
+    """Name of the i-th (1-based) NIH image archive: ``images_001.tar.gz``."""
+    return f"images_{i:03d}.tar.gz"
+
+
+def _nih_tables() -> tuple[RemoteFile, ...]:
+    label, *splits = NIH_TABLES
+    return (RemoteFile(label, None, role="labels"),
+            *(RemoteFile(s, None, role="split_list") for s in splits))
+
+
+def _check_n_archives(source: str, n_archives: int | None, maximum: int | None) -> int:
+    if n_archives is None:
+        if maximum is None:
+            raise ValueError(f"source {source!r} needs n_archives (how many images_NNN.tar.gz the release has)")
+        return maximum
+    if isinstance(n_archives, bool) or not isinstance(n_archives, int) or n_archives < 1:
+        raise ValueError(f"source {source!r}: n_archives must be a positive integer, got {n_archives!r}")
+    if maximum is not None and n_archives > maximum:
+        raise ValueError(f"source {source!r}: n_archives={n_archives} but the release has only {maximum} archives")
+    if n_archives > 999:
+        raise ValueError(f"source {source!r}: n_archives={n_archives} exceeds the images_NNN naming (max 999)")
+    return n_archives
+
+
+def release_source(n_archives: int | None) -> Source:
+    if n_archives is not None:
+        raise ValueError(f"source 'nih' always has its {NIH_N_ARCHIVES} archives; a pilot on part of the "
+                         "release is declared with datasets.nih.archives (e.g. [1, 2])")
+    archives = tuple(
+        RemoteFile(archive_name(i), f"https://nihcc.box.com/shared/static/{box_id}.gz", md5=md5, role="archive")
+        for i, (box_id, md5) in enumerate(_NIH_ARCHIVES, start=1))
+    return Source(name="nih", title="NIH ChestX-ray14 (NIH Clinical Center)",
+                  files=archives + _nih_tables(), how_to_obtain=_NIH_HOW)
+
+
+def demo_source(n_archives: int | None) -> Source:
+    n = _check_n_archives("nih_demo", n_archives, None)
+    archives = tuple(RemoteFile(archive_name(i), None, role="archive") for i in range(1, n + 1))
+    return Source(
+        name="nih_demo", title="Synthetic phantom release in the NIH ChestX-ray14 layout",
+        files=archives + _nih_tables(), checksums_file="SHA256SUMS", synthetic=True,
+        how_to_obtain="The phantom release is generated locally (chexflow.data.phantoms); "
+                      "pass the directory it was written to as the mirror.")
 
 
 # --------------------------------------------------------------------------- label table
@@ -228,7 +289,6 @@ def verify_tables(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence
 
 # --------------------------------------------------------------------------- archives
 
-_FILTER_ROOT = os.path.join(os.sep, "nonexistent-chexflow-extract-root")
 _TAR_READ_BYTES = 1 << 20
 
 
@@ -277,142 +337,6 @@ def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None
         raise ArchiveError(f"{path}: cannot read archive ({exc})") from exc
 
 
-def safe_members(tar: tarfile.TarFile, report: Callable[[str, str], None]) -> Iterator[tarfile.TarInfo]:
-    """The regular-file members of ``tar`` (read in order) that are safe to read.
-
-    Every member first passes ``tarfile.data_filter`` (the 'data' extraction filter: ``..``, links
-    pointing outside, device files are rejected); absolute names (which the filter would merely
-    strip) are rejected too, and only regular files are yielded (no symlinks or hard links at
-    all). Rejected members go to ``report(member_name, reason)``; directories are skipped silently.
-    """
-    for member in tar:
-        if member.name.startswith(("/", "\\")) or os.path.isabs(member.name):
-            report(member.name, "absolute member path")
-            continue
-        try:
-            member = tarfile.data_filter(member, _FILTER_ROOT)
-        except tarfile.FilterError as exc:
-            report(member.name, f"rejected by the tar 'data' filter: {exc}")
-            continue
-        if member.isdir():
-            continue
-        if not member.isfile():
-            report(member.name, "not a regular file (links and special files are not read)")
-            continue
-        yield member
-
-
-def posix_basename(name: str) -> str:
-    return name.rstrip("/").rsplit("/", 1)[-1]
-
-
-# --------------------------------------------------------------------------- images
-
-def decode_grey(data: bytes, *, name: str, draft: int | None = None, size: int | None = None) -> np.ndarray:
-    """Decode an image file to uint8 HxW greyscale (``size``: then ``resize_square`` to ``size`` px).
-
-    With ``size`` the centre crop and the resize run on the decoded PIL image, without a numpy copy
-    of the full-resolution image in between (same pixels as ``resize_square(decode_grey(...))``).
-
-    ``draft``: for JPEGs, let libjpeg decode only the luma channel at the smallest DCT scale
-    (1/2, 1/4, 1/8) that keeps both sides >= ``draft`` px (``PIL.Image.draft``): much faster for
-    large photos that are resized to ``draft`` px afterwards anyway. Ignored for other formats.
-
-    - 8-bit L: as is; P/1/CMYK/…: converted by PIL to L.
-    - RGB/RGBA/LA/PA: alpha is dropped (not composited), colour converted to L (ITU-R 601 luma).
-      Some NIH PNGs are RGBA with an opaque alpha channel.
-    - 16-bit / 32-bit integer or float ('I;16*', 'I', 'F'): min-max scaled by the image's actual
-      range to 0..255 (a constant image becomes 0). Chosen over ``>> 8`` because 12-bit data
-      stored in 16-bit would otherwise use only 16 grey levels.
-
-    Raises ``DecodeError(name, reason)`` on unreadable or truncated data.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    if size is not None and size < 1:
-        raise ValueError(f"size must be positive, got {size}")
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            if draft is not None and img.format == "JPEG":
-                img.draft("L", (draft, draft))
-            img.load()
-            mode = img.mode
-            if mode.startswith("I") or mode.startswith("F"):
-                arr = _minmax_to_uint8(np.asarray(img))
-                if size is not None and arr.ndim == 2 and arr.size:
-                    arr = resize_square(arr, size)
-            else:
-                grey = img
-                if mode in ("LA", "La"):
-                    grey = img.getchannel("L")
-                elif mode != "L":
-                    if mode in ("RGBA", "RGBa", "RGBX", "PA") or "A" in img.getbands():
-                        grey = img.convert("RGB")
-                    grey = grey.convert("L")
-                if size is not None and grey.width and grey.height:
-                    grey = _square_pil(grey, size)
-                arr = np.asarray(grey, dtype=np.uint8)
-    except DecodeError:
-        raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
-            Image.DecompressionBombError) as exc:
-        raise DecodeError(name, f"{type(exc).__name__}: {exc}") from exc
-    if arr.ndim != 2 or arr.size == 0:
-        raise DecodeError(name, f"unexpected decoded shape {arr.shape} (mode {mode})")
-    return np.ascontiguousarray(arr)
-
-
-def _minmax_to_uint8(a: np.ndarray) -> np.ndarray:
-    a = a.astype(np.float64)
-    if a.ndim == 3:
-        a = a[..., 0]
-    finite = np.isfinite(a)
-    if not finite.all():
-        a = np.where(finite, a, np.nan)
-    lo, hi = np.nanmin(a), np.nanmax(a)
-    if not np.isfinite(lo) or hi <= lo:
-        return np.zeros(a.shape, dtype=np.uint8)
-    out = (np.nan_to_num(a, nan=lo) - lo) * (255.0 / (hi - lo))
-    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
-
-
-def _square_pil(img, size: int):
-    """``resize_square`` on a PIL 'L' image (returns a PIL image)."""
-    from PIL import Image
-    w, h = img.size
-    if h != w:
-        s = min(h, w)
-        top, left = (h - s) // 2, (w - s) // 2
-        img = img.crop((left, top, left + s, top + s))
-    if img.size[0] == size:
-        return img.copy()
-    return img.resize((size, size), Image.Resampling.BILINEAR)
-
-
-def resize_square(img: np.ndarray, size: int) -> np.ndarray:
-    """Centre-crop a uint8 HxW image to a square, then resize to ``size x size``.
-
-    PIL bilinear resampling, which low-pass filters (antialiases) when shrinking, like
-    torchvision's ``Resize(antialias=True)``.
-    """
-    from PIL import Image
-
-    if img.ndim != 2:
-        raise ValueError(f"resize_square expects a 2-D greyscale image, got shape {img.shape}")
-    if size < 1:
-        raise ValueError(f"size must be positive, got {size}")
-    h, w = img.shape
-    if h != w:
-        s = min(h, w)
-        top, left = (h - s) // 2, (w - s) // 2
-        img = img[top:top + s, left:left + s]
-    img = np.ascontiguousarray(img, dtype=np.uint8)
-    if img.shape[0] == size:
-        return img.copy()
-    out = Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR)
-    return np.asarray(out, dtype=np.uint8).copy()
-
-
 # --------------------------------------------------------------------------- label CSV shipped with torchxrayvision
 
 def find_label_csv() -> Path:
@@ -430,3 +354,101 @@ def find_label_csv() -> Path:
     raise FileNotFoundError(
         f"torchxrayvision is installed at {list(spec.submodule_search_locations)} but has no "
         f"data/{LABEL_CSV_NAME}.gz")
+
+
+# --------------------------------------------------------------------------- the adapter (chexflow.data.registry)
+
+def check_archives(archives: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A declared pilot subset of the release's archives (1-based numbers, e.g. ``[1, 2]``),
+    sorted; ``None`` (the full release) stays ``None``."""
+    if archives is None:
+        return None
+    if isinstance(archives, (str, bytes)) or not isinstance(archives, Sequence) or not archives:
+        raise ShardError(f"datasets.nih.archives: expected a non-empty list of archive numbers 1..{NIH_N_ARCHIVES} "
+                         f"or null (all), got {archives!r}")
+    bad = [a for a in archives if isinstance(a, bool) or not isinstance(a, int) or not 1 <= a <= NIH_N_ARCHIVES]
+    if bad:
+        raise ShardError(f"datasets.nih.archives: {bad} not archive number(s) of the release (1..{NIH_N_ARCHIVES})")
+    if len(set(archives)) != len(archives):
+        raise ShardError(f"datasets.nih.archives: {list(archives)} lists an archive twice")
+    return tuple(sorted(archives))
+
+
+@dataclass(frozen=True)
+class NIHDataset(Dataset):
+    """ChestX-ray14 in its release layout: one shard job per ``images_NNN.tar.gz``, reading it and
+    the label table; the split comes from the official lists (val carved out by patient).
+
+    ``generated``: the synthetic phantom release (``chexflow.data.phantoms``), whose archive count
+    is its own (``n_archives``) and whose tables are not the published ones. Otherwise the real
+    release: its 12 archives (a pilot subset is ``ShardConfig.archives``), tables checked against
+    the published content."""
+    name: str = "nih"
+    stage: str = "finetune"
+    split_roles: tuple[str, ...] = ("labels", "split_list")
+    generated: bool = False
+
+    def source_options(self) -> dict:
+        if self.generated:
+            return {}
+        return {"archives": {"type": ["array", "null"], "minItems": 1, "uniqueItems": True,
+                             "items": {"type": "integer", "minimum": 1, "maximum": NIH_N_ARCHIVES}}}
+
+    def source(self, n_archives: int | None = None) -> Source:
+        return demo_source(n_archives) if self.generated else release_source(n_archives)
+
+    def source_in(self, raw_dir: Path) -> Source:
+        if not self.generated:
+            return self.source()
+        return self.source(max(1, len(list(Path(raw_dir).glob("images_[0-9][0-9][0-9].tar.gz")))))
+
+    def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
+        """``images_001`` ... one per archive: ``n_archives`` of a generated release, else the
+        12 of the real one or the declared pilot subset ``cfg.archives``."""
+        if self.generated:
+            chosen = range(1, (n_archives or 1) + 1)
+        else:
+            chosen = check_archives(cfg.archives) or range(1, NIH_N_ARCHIVES + 1)
+        return [archive_name(i).removesuffix(".tar.gz") for i in chosen]
+
+    def part_files(self, source: Source, part: str) -> list[RemoteFile]:
+        return [source.file(f"{part}.tar.gz"), *(f for f in source.files if f.role == "labels")]
+
+    def info(self, raw_dir: Path | None = None) -> DatasetInfo:
+        if self.generated:
+            return DatasetInfo(self.name, "mini-NIH synthetic phantoms (embedded demo)", "multilabel",
+                               tuple(LABELS), True, "the phantom release's own split lists (NIH layout)")
+        return DatasetInfo(self.name, "NIH ChestX-ray14", "multilabel", tuple(LABELS), False, SPLIT_SOURCE)
+
+    def split(self, raw_dir: Path, cfg: ShardConfig, *, expected: ReleaseCounts | None = None) -> pd.DataFrame:
+        """``nih``: the tables are first checked against the published content (``expected``,
+        default ``PUBLISHED``; ``verify_tables``), also for a pilot on part of the archives."""
+        raw_dir = Path(raw_dir)
+        label_csv, train_val_list, test_list = NIH_TABLES
+        labels = read_labels(raw_dir / label_csv)
+        train_val = read_split_list(raw_dir / train_val_list)
+        test = read_split_list(raw_dir / test_list)
+        if not self.generated:
+            verify_tables(labels, train_val, test, expected=expected or PUBLISHED, where=f"{raw_dir}/")
+        split = assign_splits(labels, train_val, test, val_fraction=cfg.val_fraction, seed=cfg.split_seed)
+        return pd.DataFrame({"image": split.index, "patient": labels.loc[split.index, "patient"].values,
+                             "split": split.values})
+
+    def samples(self, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
+                report: Report) -> Iterator[tuple]:
+        split_of = dict(zip(splits["image"], splits["split"]))
+        patient_of = dict(zip(splits["image"], splits["patient"]))
+        table = read_labels(Path(raw_dir) / LABEL_CSV_NAME)
+        targets = dict(zip(table.index, table[list(LABELS)].to_numpy(dtype=np.float32)))
+        for fname, data in iter_archive(Path(raw_dir) / f"{part}.tar.gz", on_skip=report):
+            if fname not in split_of:
+                report(fname, "not in the label file or split lists")
+                continue
+            yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
+
+    def decode(self, data: bytes, key: str, size: int) -> np.ndarray:
+        return images.decode_grey(data, name=key, size=size)
+
+
+ADAPTER = NIHDataset()
+DEMO_ADAPTER = NIHDataset(name="nih_demo", generated=True)

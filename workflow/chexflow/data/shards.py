@@ -24,7 +24,7 @@ import json
 import os
 import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -34,8 +34,8 @@ import webdataset as wds
 from tqdm import tqdm
 
 from chexflow.config import ShardConfig, to_dict
-from chexflow.data import fashion_mnist, imagenet, nih
-from chexflow.data import parts as _parts
+from chexflow.data import images, nih, registry
+from chexflow.data.dataset import DatasetInfo, ShardError
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
 
 SPLITS = ("train", "val", "test")
@@ -45,76 +45,19 @@ _KEY_EXCLUDED = ("max_reject_fraction", "max_missing_fraction", "archives")
 MISSING_EXAMPLES = 10
 
 
-class ShardError(RuntimeError):
-    """A shard stage failed; the message names the dataset/part/file and the cause."""
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    name: str
-    title: str
-    task: str                 # "multilabel" | "multiclass"
-    labels: tuple[str, ...]
-    synthetic: bool
-    split_source: str = ""    # where the train/val/test assignment comes from (shown in the report)
-
-
 def dataset_info(name: str, raw_dir: Path | None = None) -> DatasetInfo:
-    """What a dataset is. ImageNet's classes come from its devkit: without ``raw_dir`` its labels
-    are empty (``gather`` then takes them from the part manifests)."""
-    if name == "fashion_mnist":
-        return DatasetInfo(name, "Fashion-MNIST", "multiclass", tuple(fashion_mnist.CLASSES), False,
-                           "official train/test files; val carved out of train (seeded)")
-    if name == "nih":
-        return DatasetInfo(name, "NIH ChestX-ray14", "multilabel", tuple(nih.LABELS), False, nih.SPLIT_SOURCE)
-    if name == "nih_demo":
-        return DatasetInfo(name, "mini-NIH synthetic phantoms (embedded demo)", "multilabel",
-                           tuple(nih.LABELS), True, "the phantom release's own split lists (NIH layout)")
-    if name == "imagenet":
-        labels = imagenet.read_devkit(Path(raw_dir) / imagenet.DEVKIT).wnids if raw_dir is not None else ()
-        return DatasetInfo(name, "ImageNet ILSVRC2012", "multiclass", tuple(labels), False,
-                           "official ILSVRC2012 train and val sets")
-    raise ShardError(f"dataset {name!r}: no shard reader (known: fashion_mnist, imagenet, nih, nih_demo)")
+    """What a dataset is (its adapter's ``info``)."""
+    return registry.get(name).info(raw_dir)
 
 
 # --------------------------------------------------------------------------- splits
 
 def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path, *,
                   expected: nih.ReleaseCounts | None = None) -> pd.DataFrame:
-    """Write ``splits.csv`` (image, patient, split): patient-wise, seeded, never by image.
-
-    ``nih``: the tables are first checked against the published content (``expected``, default
-    ``nih.PUBLISHED``; ``nih.verify_tables``), also for a pilot on part of the archives."""
-    raw_dir = Path(raw_dir)
-    if name == "fashion_mnist":
-        frames = []
-        for part, split in (("train", None), ("t10k", "test")):
-            images, _ = fashion_mnist.read_part(raw_dir, part)
-            names = fashion_mnist.image_names(part, len(images))
-            frames.append(pd.DataFrame({"image": names, "patient": names, "split": split or "train"}))
-        df = pd.concat(frames, ignore_index=True)
-        train = df.index[df["split"] == "train"].to_numpy()
-        rng = np.random.default_rng(cfg.split_seed)
-        n_val = int(round(cfg.val_fraction * len(train)))
-        df.loc[rng.choice(train, size=n_val, replace=False), "split"] = "val"
-    elif name == "imagenet":
-        # fixed split: the official val set is "val"; every train-archive image is "train" and is
-        # not listed (listing 1.28M names would mean reading all 1000 per-class tars here)
-        if cfg.val_fraction != 0:
-            raise ShardError(f"imagenet: val_fraction must be 0 (got {cfg.val_fraction}): the validation "
-                             "split is the official ILSVRC2012 val set")
-        names = imagenet.val_split_rows(imagenet.read_devkit(raw_dir / imagenet.DEVKIT))
-        df = pd.DataFrame({"image": names, "patient": names, "split": "val"})
-    else:
-        labels = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
-        train_val = nih.read_split_list(raw_dir / "train_val_list.txt")
-        test = nih.read_split_list(raw_dir / "test_list.txt")
-        if name == "nih":
-            nih.verify_tables(labels, train_val, test, expected=expected or nih.PUBLISHED, where=f"{raw_dir}/")
-        split = nih.assign_splits(labels, train_val, test, val_fraction=cfg.val_fraction,
-                                  seed=cfg.split_seed)
-        df = pd.DataFrame({"image": split.index, "patient": labels.loc[split.index, "patient"].values,
-                           "split": split.values})
+    """Write ``splits.csv`` (image, patient, split) of the dataset's ``split``: patient-wise,
+    seeded, never by image. ``expected``: for ``nih``, the published content the tables are
+    checked against (default ``nih.PUBLISHED``)."""
+    df = registry.get(name).split(Path(raw_dir), cfg, expected=expected)
     shared = df.groupby("patient")["split"].nunique()
     if (shared > 1).any():
         raise ShardError(f"{name}: patients in more than one split: {list(shared[shared > 1].index[:5])}")
@@ -123,13 +66,9 @@ def split_dataset(name: str, raw_dir: Path, cfg: ShardConfig, out_csv: Path, *,
     return df
 
 
-def parts_of(name: str, n_archives: int | None = None, *, train_parts: int | None = None,
-             archives: tuple[int, ...] | None = None) -> list[str]:
-    """The shard jobs of a dataset (``chexflow.data.parts.parts_of``, errors as ``ShardError``)."""
-    try:
-        return _parts.parts_of(name, n_archives, train_parts=train_parts, archives=archives)
-    except _parts.PartError as exc:
-        raise ShardError(str(exc)) from None
+def parts_of(name: str, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
+    """The shard jobs of a dataset (its adapter's ``parts``)."""
+    return registry.get(name).parts(cfg, n_archives)
 
 
 # --------------------------------------------------------------------------- samples of a part
@@ -146,8 +85,6 @@ class Sample:
 def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
                skip: dict[str, str | None], rejects: list[dict]) -> Iterator[Sample]:
     """Yield the samples of one part in a deterministic order; decode lazily (skipped: image=None)."""
-    split_of = dict(zip(splits["image"], splits["split"]))
-    patient_of = dict(zip(splits["image"], splits["patient"]))
     skipping = {s: k is not None for s, k in skip.items()}
 
     def wanted(split: str, key: str) -> bool:
@@ -158,40 +95,12 @@ def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: S
             return False
         return True
 
-    if name == "fashion_mnist":
-        images, labels = fashion_mnist.read_part(raw_dir, part)
-        for key, img, lbl in zip(fashion_mnist.image_names(part, len(images)), images, labels):
-            split = split_of[key]
-            keep = wanted(split, key)
-            yield Sample(key, str(patient_of[key]), split, np.int64(lbl),
-                         nih.resize_square(img, cfg.image_size) if keep else None)
-        return
-
     def skipped(member: str, reason: str) -> None:
         rejects.append({"image": member, "part": part, "reason": reason})
 
-    if name == "imagenet":
-        devkit = imagenet.read_devkit(raw_dir / imagenet.DEVKIT)
-        items = ((key, key, split, target, data) for key, split, target, data in imagenet.iter_part(
-            raw_dir, part, train_parts=cfg.train_parts, devkit=devkit,
-            val_images={k for k, s in split_of.items() if s == "val"}, report=skipped))
-        yield from _decoded(items, part, wanted, rejects,
-                            lambda data, key: imagenet.decode(data, name=key, size=cfg.image_size))
-        return
-
-    table = nih.read_labels(raw_dir / "Data_Entry_2017_v2020.csv")
-    label_cols = list(nih.LABELS)
-    targets = dict(zip(table.index, table[label_cols].to_numpy(dtype=np.float32)))
-
-    def labelled() -> Iterator[tuple]:
-        for fname, data in nih.iter_archive(raw_dir / f"{part}.tar.gz", on_skip=skipped):
-            if fname not in split_of:
-                skipped(fname, "not in the label file or split lists")
-                continue
-            yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
-
-    yield from _decoded(labelled(), part, wanted, rejects,
-                        lambda data, key: nih.decode_grey(data, name=key, size=cfg.image_size))
+    dataset = registry.get(name)
+    yield from _decoded(dataset.samples(raw_dir, part, splits, cfg, skipped), part, wanted, rejects,
+                        lambda data, key: dataset.decode(data, key, cfg.image_size))
 
 
 def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[Sample]:
@@ -203,7 +112,7 @@ def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[
             continue
         try:
             img = decode(data, key)
-        except nih.DecodeError as exc:
+        except images.DecodeError as exc:
             rejects.append({"image": key, "part": part, "reason": str(exc)})
             continue
         yield Sample(key, patient, split, target, img)
@@ -243,9 +152,10 @@ def part_key(name: str, part: str, raw_dir: Path, splits_csv: Path, cfg: ShardCo
     of an archive is a new input)."""
     settings = {k: v for k, v in to_dict(cfg).items() if k not in _KEY_EXCLUDED}
     inputs = []
-    for fname in _parts.part_files(name, part):
-        st = (Path(raw_dir) / fname).stat()
-        inputs.append([fname, st.st_size, st.st_mtime_ns])
+    dataset = registry.get(name)
+    for file in dataset.part_files(dataset.source_in(Path(raw_dir)), part):
+        st = (Path(raw_dir) / file.name).stat()
+        inputs.append([file.name, st.st_size, st.st_mtime_ns])
     ident = {"dataset": name, "part": part, "settings": settings, "inputs": inputs,
              "splits_sha256": sha256_file(splits_csv)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
@@ -361,7 +271,7 @@ def build_dataset(name: str, raw_dir: Path, out_dir: Path, cfg: ShardConfig, *,
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
     split_dataset(name, raw_dir, cfg, out_dir / "splits.csv", expected=expected)
     part_manifests = []
-    for part in parts_of(name, n_archives, train_parts=cfg.train_parts, archives=cfg.archives):
+    for part in parts_of(name, cfg, n_archives):
         write_part(name, part, raw_dir, out_dir / "splits.csv", out_dir / "parts" / part, cfg)
         part_manifests.append(out_dir / "parts" / part / "manifest.json")
     gather(name, part_manifests, out_dir / "manifest.json", cfg, splits_csv=out_dir / "splits.csv")
@@ -394,9 +304,12 @@ def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg
         what = f"pilot on {len(parts)} archive(s) {parts}: " if pilot else ""
         print(f"{name}: {what}{n_listed - n_missing:,} of {n_listed:,} listed images found, {n_missing:,} not "
               f"(e.g. {examples[:3]})", file=sys.stderr)
-    return {"pilot": pilot, "archives": list(_parts.check_nih_archives(cfg.archives)) if pilot else None,
+    if pilot:
+        parts_of(name, cfg)   # a valid pilot subset of the release's parts
+    release_parts = parts_of(name, replace(cfg, archives=None)) if pilot else parts
+    return {"pilot": pilot, "archives": sorted(cfg.archives) if pilot else None,
             "parts": list(parts),
-            "n_release_parts": len(_parts.nih_parts()) if pilot else len(parts),
+            "n_release_parts": len(release_parts),
             "n_listed": n_listed, "n_found": n_listed - n_missing, "n_missing": n_missing,
             "missing_examples": examples, "per_split": per_split}
 
