@@ -6,6 +6,7 @@ import sys
 
 from chexflow.data import sources as _sources
 from chexflow.data import parts as _parts   # cheap: no numpy/torch at DAG time
+from chexflow.studies import ablation as _ablation
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
 shell.prefix(f"set -euo pipefail; export PATH=\"$PATH:{os.path.dirname(sys.executable)}\"; ")
@@ -95,9 +96,14 @@ def manifest(dataset):
     return f"data/shards/{dataset}/manifest.json"
 
 
-def train_config_json(stage):
+def train_config_json(stage, **overrides):
     dataset = PRETRAIN_DATASET if stage == "pretrain" else FINETUNE_DATASET
-    return json.dumps({**config[stage], "stage": stage, "dataset": dataset})
+    return json.dumps({**config[stage], "stage": stage, "dataset": dataset, **overrides})
+
+
+def output_dir(wildcards, output):
+    """Params function: the directory of a job's first output (for commands taking --out-dir)."""
+    return os.path.dirname(output[0])
 
 
 def stage_json(section):
@@ -154,21 +160,31 @@ def sweep_trial_json(wildcards):
     return json.dumps(next(t["params"] for t in _sweep_trials() if t["id"] == wildcards.trial))
 
 
-ABLATION_INIT = "random" if config["finetune"].get("init", "random") == "pretrained" else "pretrained"
+# ------------------------------------------------------------------ fine-tuning initialisation
+PRETRAINED_MODEL = "results/pretrain/model.pt"
+FINETUNE_INIT = _ablation.main_init(config)  # finetune.init of the main run (and the sweep's trials)
+ABLATION_INIT = _ablation.other_init(config)  # the ablation's: the other one
 
 
-def init_inputs(init):
-    """The pretraining model, for a fine-tuning run that starts from it."""
-    return ["results/pretrain/model.pt"] if init == "pretrained" else []
+def pretrained_input(init):
+    """Named input `pretrained`: the pretraining model, for a fine-tuning run that starts from it."""
+    return {"pretrained": PRETRAINED_MODEL} if init == "pretrained" else {}
 
 
-def init_arg(init):
-    return "--pretrained results/pretrain/model.pt" if init == "pretrained" else ""
+def finetune_inputs(wildcards):
+    """Input function of finetune_model and sweep_trial: the data and, only with
+    finetune.init: pretrained, the pretraining model (with init random they do not wait for it)."""
+    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(FINETUNE_INIT)}
 
 
-def ablation_train_json():
-    return json.dumps({**config["finetune"], "init": ABLATION_INIT, "stage": "finetune",
-                       "dataset": FINETUNE_DATASET})
+def ablation_inputs(wildcards):
+    """Input function of finetune_ablation: like finetune_inputs, for the other init."""
+    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(ABLATION_INIT)}
+
+
+def pretrained_arg(wildcards, input):
+    """Params function: `--pretrained PATH` when the job has the input `pretrained`, else nothing."""
+    return f"--pretrained {input.pretrained}" if "pretrained" in input.keys() else ""
 
 
 STUDY_REPORT_INPUTS = {
@@ -183,6 +199,11 @@ STUDY_REPORT_INPUTS = {
 def report_study_inputs(wildcards):
     """Named inputs of the report's study sections, only for the studies switched on."""
     return {k: v for study, files in STUDY_REPORT_INPUTS.items() if study_enabled(study) for k, v in files.items()}
+
+
+def report_manifest_args():
+    """`chexflow report`'s --manifest NAME=PATH options for the pretraining and fine-tuning data."""
+    return " ".join(f"--manifest {d}={manifest(d)}" for d in (PRETRAIN_DATASET, FINETUNE_DATASET))
 
 
 def report_study_args():

@@ -6,6 +6,7 @@ rule make_demo_release:
         demo_release_files(),
     params:
         cfg=stage_json("demo_release"),
+        out_dir=output_dir,
     log:
         "logs/download/make_demo_release.log",
     benchmark:
@@ -13,7 +14,7 @@ rule make_demo_release:
     conda:
         "../envs/data.yaml"
     shell:
-        "chexflow make-demo-release --config-json {params.cfg:q} --out " + DEMO_DIR + " > {log} 2>&1"
+        "chexflow make-demo-release --config-json {params.cfg:q} --out {params.out_dir} > {log} 2>&1"
 
 
 rule download_file:

@@ -1,4 +1,6 @@
 # Evaluation: the selected model on the test split, AUROC per finding with bootstrap CIs.
+# evaluate_model is the body the studies' evaluations (evaluate_ablation, evaluate_sweep_winner)
+# share through `use rule ... with:`.
 
 
 rule evaluate_model:
@@ -11,6 +13,7 @@ rule evaluate_model:
         auroc=report("results/evaluate/auroc.csv", caption="../report/auroc.rst", category="Evaluation"),
     params:
         cfg=stage_json("evaluate"),
+        out_dir=output_dir,
     log:
         "logs/evaluate/evaluate.log",
     benchmark:
@@ -19,4 +22,4 @@ rule evaluate_model:
         "../envs/train.yaml"
     shell:
         "chexflow evaluate --config-json {params.cfg:q} --model {input.model}"
-        " --manifest {input.manifest} --out-dir results/evaluate > {log} 2>&1"
+        " --manifest {input.manifest} --out-dir {params.out_dir} > {log} 2>&1"

@@ -1,7 +1,8 @@
-# Pretraining: one multi-rank job. `resources.mpi` is the launcher: `chexflow launch` (local
-# ranks via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
-# Checkpoints go to results/pretrain/checkpoints/, which is NOT a declared output, so a rerun
-# after a failure or preemption resumes from them.
+# Training: one multi-rank job. `resources.mpi` is the launcher: `chexflow launch` (local ranks
+# via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
+# Checkpoints go to <output dir>/checkpoints/, which is NOT a declared output, so a rerun after a
+# failure or preemption resumes from them. pretrain_model is the body the other training rules
+# (finetune_model, finetune_ablation, sweep_trial) share through `use rule ... with:`.
 
 
 rule pretrain_model:
@@ -13,6 +14,9 @@ rule pretrain_model:
     params:
         cfg=train_config_json("pretrain"),
         backend=config["pretrain"]["backend"],
+        pretrained=pretrained_arg,
+        out_dir=output_dir,
+        tensorboard="logs/pretrain/tensorboard",
     log:
         "logs/pretrain/train.log",
     benchmark:
@@ -25,6 +29,6 @@ rule pretrain_model:
         "../envs/train.yaml"
     shell:
         "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
-        " chexflow train --config-json {params.cfg:q} --manifest {input.manifest}"
-        " --out-dir results/pretrain --ckpt-dir results/pretrain/checkpoints"
-        " --tensorboard logs/pretrain/tensorboard > {log} 2>&1"
+        " chexflow train --config-json {params.cfg:q} --manifest {input.manifest} {params.pretrained}"
+        " --out-dir {params.out_dir} --ckpt-dir {params.out_dir}/checkpoints"
+        " --tensorboard {params.tensorboard} > {log} 2>&1"

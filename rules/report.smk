@@ -17,8 +17,7 @@ rule render_report:
         report("results/report/chexflow_report.html", caption="../report/chexflow_report.rst", category="Report"),
     params:
         cfg=json.dumps(config),
-        manifests=f"--manifest {PRETRAIN_DATASET}=" + manifest(PRETRAIN_DATASET)
-        + f" --manifest {FINETUNE_DATASET}=" + manifest(FINETUNE_DATASET),
+        manifests=report_manifest_args(),
         benchmarks="--benchmark pretrain=benchmarks/pretrain/train.tsv"
         " --benchmark finetune=benchmarks/finetune/train.tsv"
         " --benchmark evaluate=benchmarks/evaluate/evaluate.tsv",

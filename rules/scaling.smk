@@ -23,6 +23,7 @@ rule scale_pretrain:
         cfg=train_config_json("pretrain"),
         scaling=study_json("scaling"),
         backend=config["pretrain"]["backend"],
+        out_dir=output_dir,
     wildcard_constraints:
         world="[1-9][0-9]*",
     log:
@@ -42,7 +43,7 @@ rule scale_pretrain:
         "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
         " chexflow scale-point --config-json {params.cfg:q} --scaling-json {params.scaling:q}"
         " --world {wildcards.world} --job-threads {threads} --manifest {input.manifest}"
-        " --out-dir results/scaling/world{wildcards.world} > {log} 2>&1"
+        " --out-dir {params.out_dir} > {log} 2>&1"
 
 
 rule summarize_scaling:

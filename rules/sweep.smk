@@ -4,19 +4,18 @@
 # launcher. A trial that diverges or crashes is recorded as failed in its result.json (the job
 # succeeds); a bad trial config, a missing input or preemption fails the job; select_sweep fails
 # when no trial succeeded. The winner (best validation AUROC) is the only model evaluated on test.
-FINETUNE_INIT = config["finetune"].get("init", "random")
 
 
 rule sweep_trial:
     input:
-        init_inputs(FINETUNE_INIT),
-        manifest=manifest(FINETUNE_DATASET),
+        unpack(finetune_inputs),
     output:
         "results/sweep/trials/{trial}/result.json",
     params:
         cfg=train_config_json("finetune"),
         trial=sweep_trial_json,
-        pretrained=init_arg(FINETUNE_INIT),
+        pretrained=pretrained_arg,
+        out_dir=output_dir,
     wildcard_constraints:
         trial="t[0-9]+",
     log:
@@ -33,7 +32,7 @@ rule sweep_trial:
         "chexflow sweep-trial --config-json {params.cfg:q} --params-json {params.trial:q}"
         " --trial {wildcards.trial} --launcher {resources.mpi:q} -n {resources.tasks}"
         " --manifest {input.manifest} {params.pretrained}"
-        " --out-dir results/sweep/trials/{wildcards.trial} > {log} 2>&1"
+        " --out-dir {params.out_dir} > {log} 2>&1"
 
 
 rule select_sweep:
@@ -54,7 +53,7 @@ rule select_sweep:
         " --out-model {output.model} {input} > {log} 2>&1"
 
 
-rule evaluate_sweep_winner:
+use rule evaluate_model as evaluate_sweep_winner with:
     input:
         model="results/sweep/winner/model.pt",
         manifest=manifest(FINETUNE_DATASET),
@@ -62,14 +61,7 @@ rule evaluate_sweep_winner:
         metrics="results/sweep/evaluate/metrics.json",
         predictions="results/sweep/evaluate/predictions.csv",
         auroc=report("results/sweep/evaluate/auroc.csv", caption="../report/auroc.rst", category="Sweep"),
-    params:
-        cfg=stage_json("evaluate"),
     log:
         "logs/sweep/evaluate.log",
     benchmark:
         "benchmarks/sweep/evaluate.tsv"
-    conda:
-        "../envs/train.yaml"
-    shell:
-        "chexflow evaluate --config-json {params.cfg:q} --model {input.model}"
-        " --manifest {input.manifest} --out-dir results/sweep/evaluate > {log} 2>&1"
