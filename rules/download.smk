@@ -25,6 +25,7 @@ rule download_file:
     params:
         mirror=download_mirror,
         source_args=download_args,
+        dest=output_dir,
     log:
         "logs/download/{dataset}/{file}.log",
     benchmark:
@@ -35,5 +36,5 @@ rule download_file:
         "../envs/data.yaml"
     shell:
         "chexflow download --dataset {wildcards.dataset} --file {wildcards.file:q}"
-        " --dest data/raw/{wildcards.dataset} --mirror {params.mirror:q}"
+        " --dest {params.dest} --mirror {params.mirror:q}"
         " {params.source_args} > {log} 2>&1"

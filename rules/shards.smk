@@ -27,6 +27,7 @@ rule write_shards:
         "data/shards/{dataset}/parts/{part}/manifest.json",
     params:
         cfg=shard_config_json,
+        out_dir=output_dir,
     log:
         "logs/shards/{dataset}/{part}.log",
     benchmark:
@@ -36,7 +37,7 @@ rule write_shards:
     shell:
         "chexflow shards --config-json {params.cfg:q} --part {wildcards.part}"
         " --raw data/raw/{wildcards.dataset} --splits {input.splits}"
-        " --out data/shards/{wildcards.dataset}/parts/{wildcards.part} > {log} 2>&1"
+        " --out {params.out_dir} > {log} 2>&1"
 
 
 rule gather_shards:
