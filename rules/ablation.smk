@@ -21,7 +21,7 @@ use rule finetune_model as finetune_ablation with:
 
 use rule evaluate_model as evaluate_ablation with:
     input:
-        model="results/ablation/finetune/model.pt",
+        model=rules.finetune_ablation.output.model,
         manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/ablation/evaluate/metrics.json",

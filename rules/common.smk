@@ -161,14 +161,13 @@ def sweep_trial_json(wildcards):
 
 
 # ------------------------------------------------------------------ fine-tuning initialisation
-PRETRAINED_MODEL = "results/pretrain/model.pt"
 FINETUNE_INIT = _ablation.main_init(config)  # finetune.init of the main run (and the sweep's trials)
 ABLATION_INIT = _ablation.other_init(config)  # the ablation's: the other one
 
 
 def pretrained_input(init):
     """Named input `pretrained`: the pretraining model, for a fine-tuning run that starts from it."""
-    return {"pretrained": PRETRAINED_MODEL} if init == "pretrained" else {}
+    return {"pretrained": rules.pretrain_model.output.model} if init == "pretrained" else {}
 
 
 def finetune_inputs(wildcards):
@@ -204,6 +203,12 @@ def report_study_inputs(wildcards):
 def report_manifest_args():
     """`chexflow report`'s --manifest NAME=PATH options for the pretraining and fine-tuning data."""
     return " ".join(f"--manifest {d}={manifest(d)}" for d in (PRETRAIN_DATASET, FINETUNE_DATASET))
+
+
+def report_benchmark_args():
+    """`chexflow report`'s --benchmark STAGE=TSV options: the main chain's training and evaluation."""
+    jobs = {"pretrain": rules.pretrain_model, "finetune": rules.finetune_model, "evaluate": rules.evaluate_model}
+    return " ".join(f"--benchmark {stage}={job.benchmark}" for stage, job in jobs.items())
 
 
 def report_study_args():

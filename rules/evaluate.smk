@@ -5,7 +5,7 @@
 
 rule evaluate_model:
     input:
-        model="results/finetune/model.pt",
+        model=rules.finetune_model.output.model,
         manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/evaluate/metrics.json",

@@ -1,8 +1,9 @@
 # Training: one multi-rank job. `resources.mpi` is the launcher: `chexflow launch` (local ranks
 # via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
 # Checkpoints go to <output dir>/checkpoints/, which is NOT a declared output, so a rerun after a
-# failure or preemption resumes from them. pretrain_model is the body the other training rules
-# (finetune_model, finetune_ablation, sweep_trial) share through `use rule ... with:`.
+# failure or preemption resumes from them. pretrain_model is the body that finetune_model and
+# finetune_ablation share through `use rule ... with:` (sweep_trial and scale_pretrain run other
+# commands, which `use rule` cannot change, with the same helpers).
 
 
 rule pretrain_model:

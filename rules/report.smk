@@ -7,10 +7,10 @@
 rule render_report:
     input:
         unpack(report_study_inputs),
-        metrics="results/evaluate/metrics.json",
-        predictions="results/evaluate/predictions.csv",
-        pretrain="results/pretrain/metrics.jsonl",
-        finetune="results/finetune/metrics.jsonl",
+        metrics=rules.evaluate_model.output.metrics,
+        predictions=rules.evaluate_model.output.predictions,
+        pretrain=rules.pretrain_model.output.metrics,
+        finetune=rules.finetune_model.output.metrics,
         pretrain_manifest=manifest(PRETRAIN_DATASET),
         finetune_manifest=manifest(FINETUNE_DATASET),
     output:
@@ -18,9 +18,7 @@ rule render_report:
     params:
         cfg=json.dumps(config),
         manifests=report_manifest_args(),
-        benchmarks="--benchmark pretrain=benchmarks/pretrain/train.tsv"
-        " --benchmark finetune=benchmarks/finetune/train.tsv"
-        " --benchmark evaluate=benchmarks/evaluate/evaluate.tsv",
+        benchmarks=report_benchmark_args(),
         repo=workflow.basedir,
         studies=report_study_args(),
     log:

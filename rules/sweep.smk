@@ -55,7 +55,7 @@ rule select_sweep:
 
 use rule evaluate_model as evaluate_sweep_winner with:
     input:
-        model="results/sweep/winner/model.pt",
+        model=rules.select_sweep.output.model,
         manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/sweep/evaluate/metrics.json",
