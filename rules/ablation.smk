@@ -10,13 +10,13 @@ use rule finetune_model as finetune_ablation with:
     output:
         model="results/ablation/finetune/model.pt",
         metrics="results/ablation/finetune/metrics.jsonl",
-    params:
-        cfg=train_config_json("finetune", init=ABLATION_INIT),
-        tensorboard="logs/ablation/tensorboard",
     log:
         "logs/ablation/train.log",
     benchmark:
         "benchmarks/ablation/train.tsv"
+    params:
+        cfg=train_config_json("finetune", init=ABLATION_INIT),
+        tensorboard="logs/ablation/tensorboard",
 
 
 use rule evaluate_model as evaluate_ablation with:

@@ -5,11 +5,11 @@ import os
 import sys
 
 from chexflow.data import sources as _sources
-from chexflow.data import parts as _parts   # cheap: no numpy/torch at DAG time
+from chexflow.data import parts as _parts  # cheap: no numpy/torch at DAG time
 from chexflow.studies import ablation as _ablation
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
-shell.prefix(f"set -euo pipefail; export PATH=\"$PATH:{os.path.dirname(sys.executable)}\"; ")
+shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.executable)}"; ')
 
 PRETRAIN_DATASET = config["study"]["pretrain_dataset"]
 FINETUNE_DATASET = config["study"]["finetune_dataset"]
@@ -76,7 +76,7 @@ def split_inputs(wildcards):
     if wildcards.dataset == "fashion_mnist":
         return raw_files("fashion_mnist")
     if wildcards.dataset == "imagenet":
-        return ["data/raw/imagenet/ILSVRC2012_devkit_t12.tar.gz"]   # val ground truth
+        return ["data/raw/imagenet/ILSVRC2012_devkit_t12.tar.gz"]  # val ground truth
     base = f"data/raw/{wildcards.dataset}"
     return [f"{base}/Data_Entry_2017_v2020.csv", f"{base}/train_val_list.txt", f"{base}/test_list.txt"]
 
@@ -86,9 +86,12 @@ def part_inputs(wildcards):
 
 
 def part_manifests(wildcards):
-    parts = _parts.parts_of(wildcards.dataset, n_demo_archives(),
-                             train_parts=config["shards"].get("imagenet", {}).get("train_parts"),
-                             archives=nih_archives())
+    parts = _parts.parts_of(
+        wildcards.dataset,
+        n_demo_archives(),
+        train_parts=config["shards"].get("imagenet", {}).get("train_parts"),
+        archives=nih_archives(),
+    )
     return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
 
 
@@ -148,6 +151,7 @@ def study_targets():
 def _sweep_trials():
     from chexflow.config import SweepConfig, from_dict
     from chexflow.studies import sweep as _sweep
+
     return _sweep.expand_trials(from_dict(SweepConfig, config.get("sweep", {})))
 
 
@@ -188,10 +192,15 @@ def pretrained_arg(wildcards, input):
 
 STUDY_REPORT_INPUTS = {
     "scaling": {"scaling_csv": "results/scaling/scaling.csv", "scaling_plot": "results/scaling/scaling.png"},
-    "sweep": {"sweep_table": "results/sweep/trials.csv", "sweep_selection": "results/sweep/selection.json",
-              "sweep_metrics": "results/sweep/evaluate/metrics.json"},
-    "ablation": {"ablation_metrics": "results/ablation/evaluate/metrics.json",
-                 "ablation_predictions": "results/ablation/evaluate/predictions.csv"},
+    "sweep": {
+        "sweep_table": "results/sweep/trials.csv",
+        "sweep_selection": "results/sweep/selection.json",
+        "sweep_metrics": "results/sweep/evaluate/metrics.json",
+    },
+    "ablation": {
+        "ablation_metrics": "results/ablation/evaluate/metrics.json",
+        "ablation_predictions": "results/ablation/evaluate/predictions.csv",
+    },
 }
 
 

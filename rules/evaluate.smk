@@ -11,15 +11,15 @@ rule evaluate_model:
         metrics="results/evaluate/metrics.json",
         predictions="results/evaluate/predictions.csv",
         auroc=report("results/evaluate/auroc.csv", caption="../report/auroc.rst", category="Evaluation"),
-    params:
-        cfg=stage_json("evaluate"),
-        out_dir=output_dir,
     log:
         "logs/evaluate/evaluate.log",
     benchmark:
         "benchmarks/evaluate/evaluate.tsv"
     conda:
         "../envs/train.yaml"
+    params:
+        cfg=stage_json("evaluate"),
+        out_dir=output_dir,
     shell:
         "chexflow evaluate --config-json {params.cfg:q} --model {input.model}"
         " --manifest {input.manifest} --out-dir {params.out_dir} > {log} 2>&1"

@@ -9,11 +9,11 @@ use rule pretrain_model as finetune_model with:
     output:
         model="results/finetune/model.pt",
         metrics="results/finetune/metrics.jsonl",
-    params:
-        cfg=train_config_json("finetune"),
-        backend=config["finetune"]["backend"],
-        tensorboard="logs/finetune/tensorboard",
     log:
         "logs/finetune/train.log",
     benchmark:
         "benchmarks/finetune/train.tsv"
+    params:
+        cfg=train_config_json("finetune"),
+        backend=config["finetune"]["backend"],
+        tensorboard="logs/finetune/tensorboard",

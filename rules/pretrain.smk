@@ -12,22 +12,22 @@ rule pretrain_model:
     output:
         model="results/pretrain/model.pt",
         metrics="results/pretrain/metrics.jsonl",
+    log:
+        "logs/pretrain/train.log",
+    benchmark:
+        "benchmarks/pretrain/train.tsv"
+    conda:
+        "../envs/train.yaml"
+    threads: 2
+    resources:
+        tasks=2,
+        mpi="chexflow launch",
     params:
         cfg=train_config_json("pretrain"),
         backend=config["pretrain"]["backend"],
         pretrained=pretrained_arg,
         out_dir=output_dir,
         tensorboard="logs/pretrain/tensorboard",
-    log:
-        "logs/pretrain/train.log",
-    benchmark:
-        "benchmarks/pretrain/train.tsv"
-    threads: 2
-    resources:
-        tasks=2,
-        mpi="chexflow launch",
-    conda:
-        "../envs/train.yaml"
     shell:
         "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
         " chexflow train --config-json {params.cfg:q} --manifest {input.manifest} {params.pretrained}"

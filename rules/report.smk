@@ -15,18 +15,18 @@ rule render_report:
         finetune_manifest=manifest(FINETUNE_DATASET),
     output:
         report("results/report/chexflow_report.html", caption="../report/chexflow_report.rst", category="Report"),
-    params:
-        cfg=json.dumps(config),
-        manifests=report_manifest_args(),
-        benchmarks=report_benchmark_args(),
-        repo=workflow.basedir,
-        studies=report_study_args(),
     log:
         "logs/report/report.log",
     benchmark:
         "benchmarks/report/report.tsv"
     conda:
         "../envs/report.yaml"
+    params:
+        cfg=json.dumps(config),
+        manifests=report_manifest_args(),
+        benchmarks=report_benchmark_args(),
+        repo=workflow.basedir,
+        studies=report_study_args(),
     shell:
         "chexflow report --out {output} --metrics {input.metrics} --predictions {input.predictions}"
         " --pretrain-metrics {input.pretrain} --finetune-metrics {input.finetune}"

@@ -11,23 +11,23 @@ rule sweep_trial:
         unpack(finetune_inputs),
     output:
         "results/sweep/trials/{trial}/result.json",
+    log:
+        "logs/sweep/{trial}.log",
+    benchmark:
+        "benchmarks/sweep/{trial}.tsv"
+    wildcard_constraints:
+        trial="t[0-9]+",
+    conda:
+        "../envs/train.yaml"
+    threads: 2
+    resources:
+        tasks=2,
+        mpi="chexflow launch",
     params:
         cfg=train_config_json("finetune"),
         trial=sweep_trial_json,
         pretrained=pretrained_arg,
         out_dir=output_dir,
-    wildcard_constraints:
-        trial="t[0-9]+",
-    log:
-        "logs/sweep/{trial}.log",
-    benchmark:
-        "benchmarks/sweep/{trial}.tsv"
-    threads: 2
-    resources:
-        tasks=2,
-        mpi="chexflow launch",
-    conda:
-        "../envs/train.yaml"
     shell:
         "chexflow sweep-trial --config-json {params.cfg:q} --params-json {params.trial:q}"
         " --trial {wildcards.trial} --launcher {resources.mpi:q} -n {resources.tasks}"
