@@ -5,10 +5,11 @@ import os
 import sys
 
 from chexflow.config import ShardConfig, from_dict
-from chexflow.data import registry as _registry   # cheap: no torch/webdataset at DAG time
+from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
+from chexflow.studies import ablation as _ablation
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
-shell.prefix(f"set -euo pipefail; export PATH=\"$PATH:{os.path.dirname(sys.executable)}\"; ")
+shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.executable)}"; ')
 
 PRETRAIN_DATASET = config["study"]["pretrain_dataset"]
 FINETUNE_DATASET = config["study"]["finetune_dataset"]
@@ -98,9 +99,14 @@ def manifest(dataset):
     return f"data/shards/{dataset}/manifest.json"
 
 
-def train_config_json(stage):
+def train_config_json(stage, **overrides):
     dataset = PRETRAIN_DATASET if stage == "pretrain" else FINETUNE_DATASET
-    return json.dumps({**config[stage], "stage": stage, "dataset": dataset})
+    return json.dumps({**config[stage], "stage": stage, "dataset": dataset, **overrides})
+
+
+def output_dir(wildcards, output):
+    """Params function: the directory of a job's first output (for commands taking --out-dir)."""
+    return os.path.dirname(output[0])
 
 
 def stage_json(section):
@@ -145,6 +151,7 @@ def study_targets():
 def _sweep_trials():
     from chexflow.config import SweepConfig, from_dict
     from chexflow.studies import sweep as _sweep
+
     return _sweep.expand_trials(from_dict(SweepConfig, config.get("sweep", {})))
 
 
@@ -157,35 +164,60 @@ def sweep_trial_json(wildcards):
     return json.dumps(next(t["params"] for t in _sweep_trials() if t["id"] == wildcards.trial))
 
 
-ABLATION_INIT = "random" if config["finetune"].get("init", "random") == "pretrained" else "pretrained"
+# ------------------------------------------------------------------ fine-tuning initialisation
+FINETUNE_INIT = _ablation.main_init(config)  # finetune.init of the main run (and the sweep's trials)
+ABLATION_INIT = _ablation.other_init(config)  # the ablation's: the other one
 
 
-def init_inputs(init):
-    """The pretraining model, for a fine-tuning run that starts from it."""
-    return ["results/pretrain/model.pt"] if init == "pretrained" else []
+def pretrained_input(init):
+    """Named input `pretrained`: the pretraining model, for a fine-tuning run that starts from it."""
+    return {"pretrained": rules.pretrain_model.output.model} if init == "pretrained" else {}
 
 
-def init_arg(init):
-    return "--pretrained results/pretrain/model.pt" if init == "pretrained" else ""
+def finetune_inputs(wildcards):
+    """Input function of finetune_model and sweep_trial: the data and, only with
+    finetune.init: pretrained, the pretraining model (with init random they do not wait for it)."""
+    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(FINETUNE_INIT)}
 
 
-def ablation_train_json():
-    return json.dumps({**config["finetune"], "init": ABLATION_INIT, "stage": "finetune",
-                       "dataset": FINETUNE_DATASET})
+def ablation_inputs(wildcards):
+    """Input function of finetune_ablation: like finetune_inputs, for the other init."""
+    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(ABLATION_INIT)}
+
+
+def pretrained_arg(wildcards, input):
+    """Params function: `--pretrained PATH` when the job has the input `pretrained`, else nothing."""
+    return f"--pretrained {input.pretrained}" if "pretrained" in input.keys() else ""
 
 
 STUDY_REPORT_INPUTS = {
     "scaling": {"scaling_csv": "results/scaling/scaling.csv", "scaling_plot": "results/scaling/scaling.png"},
-    "sweep": {"sweep_table": "results/sweep/trials.csv", "sweep_selection": "results/sweep/selection.json",
-              "sweep_metrics": "results/sweep/evaluate/metrics.json"},
-    "ablation": {"ablation_metrics": "results/ablation/evaluate/metrics.json",
-                 "ablation_predictions": "results/ablation/evaluate/predictions.csv"},
+    "sweep": {
+        "sweep_table": "results/sweep/trials.csv",
+        "sweep_selection": "results/sweep/selection.json",
+        "sweep_metrics": "results/sweep/evaluate/metrics.json",
+    },
+    "ablation": {
+        "ablation_metrics": "results/ablation/evaluate/metrics.json",
+        "ablation_predictions": "results/ablation/evaluate/predictions.csv",
+    },
 }
 
 
 def report_study_inputs(wildcards):
     """Named inputs of the report's study sections, only for the studies switched on."""
     return {k: v for study, files in STUDY_REPORT_INPUTS.items() if study_enabled(study) for k, v in files.items()}
+
+
+def report_manifest_args():
+    """`chexflow report`'s --manifest NAME=PATH options for the pretraining and fine-tuning data."""
+    return " ".join(f"--manifest {d}={manifest(d)}" for d in (PRETRAIN_DATASET, FINETUNE_DATASET))
+
+
+def report_benchmark_args():
+    """`chexflow report`'s --benchmark STAGE=TSV options: the main chain's training and evaluation."""
+    jobs = {"pretrain": rules.pretrain_model, "finetune": rules.finetune_model, "evaluate": rules.evaluate_model}
+    return " ".join(f"--benchmark {stage}={job.benchmark}" for stage, job in jobs.items())
 
 
 def report_study_args():

@@ -4,16 +4,17 @@
 rule make_demo_release:
     output:
         demo_release_files(),
-    params:
-        cfg=stage_json("demo_release"),
     log:
         "logs/download/make_demo_release.log",
     benchmark:
         "benchmarks/download/make_demo_release.tsv"
     conda:
         "../envs/data.yaml"
+    params:
+        cfg=stage_json("demo_release"),
+        out_dir=output_dir,
     shell:
-        "chexflow make-demo-release --config-json {params.cfg:q} --out " + DEMO_DIR + " > {log} 2>&1"
+        "chexflow make-demo-release --config-json {params.cfg:q} --out {params.out_dir} > {log} 2>&1"
 
 
 rule download_file:
@@ -21,18 +22,19 @@ rule download_file:
         download_inputs,
     output:
         "data/raw/{dataset}/{file}",
-    params:
-        mirror=download_mirror,
-        source_args=download_args,
     log:
         "logs/download/{dataset}/{file}.log",
     benchmark:
         "benchmarks/download/{dataset}/{file}.tsv"
-    resources:
-        downloads=1,
     conda:
         "../envs/data.yaml"
+    resources:
+        downloads=1,
+    params:
+        mirror=download_mirror,
+        source_args=download_args,
+        dest=output_dir,
     shell:
         "chexflow download --dataset {wildcards.dataset} --file {wildcards.file:q}"
-        " --dest data/raw/{wildcards.dataset} --mirror {params.mirror:q}"
+        " --dest {params.dest} --mirror {params.mirror:q}"
         " {params.source_args} > {log} 2>&1"

@@ -1,7 +1,9 @@
-# Pretraining: one multi-rank job. `resources.mpi` is the launcher: `chexflow launch` (local
-# ranks via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
-# Checkpoints go to results/pretrain/checkpoints/, which is NOT a declared output, so a rerun
-# after a failure or preemption resumes from them.
+# Training: one multi-rank job. `resources.mpi` is the launcher: `chexflow launch` (local ranks
+# via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
+# Checkpoints go to <output dir>/checkpoints/, which is NOT a declared output, so a rerun after a
+# failure or preemption resumes from them. pretrain_model is the body that finetune_model and
+# finetune_ablation share through `use rule ... with:` (sweep_trial and scale_pretrain run other
+# commands, which `use rule` cannot change, with the same helpers).
 
 
 rule pretrain_model:
@@ -10,21 +12,24 @@ rule pretrain_model:
     output:
         model="results/pretrain/model.pt",
         metrics="results/pretrain/metrics.jsonl",
-    params:
-        cfg=train_config_json("pretrain"),
-        backend=config["pretrain"]["backend"],
     log:
         "logs/pretrain/train.log",
     benchmark:
         "benchmarks/pretrain/train.tsv"
+    conda:
+        "../envs/train.yaml"
     threads: 2
     resources:
         tasks=2,
         mpi="chexflow launch",
-    conda:
-        "../envs/train.yaml"
+    params:
+        cfg=train_config_json("pretrain"),
+        backend=config["pretrain"]["backend"],
+        pretrained=pretrained_arg,
+        out_dir=output_dir,
+        tensorboard="logs/pretrain/tensorboard",
     shell:
         "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
-        " chexflow train --config-json {params.cfg:q} --manifest {input.manifest}"
-        " --out-dir results/pretrain --ckpt-dir results/pretrain/checkpoints"
-        " --tensorboard logs/pretrain/tensorboard > {log} 2>&1"
+        " chexflow train --config-json {params.cfg:q} --manifest {input.manifest} {params.pretrained}"
+        " --out-dir {params.out_dir} --ckpt-dir {params.out_dir}/checkpoints"
+        " --tensorboard {params.tensorboard} > {log} 2>&1"

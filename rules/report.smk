@@ -7,29 +7,26 @@
 rule render_report:
     input:
         unpack(report_study_inputs),
-        metrics="results/evaluate/metrics.json",
-        predictions="results/evaluate/predictions.csv",
-        pretrain="results/pretrain/metrics.jsonl",
-        finetune="results/finetune/metrics.jsonl",
+        metrics=rules.evaluate_model.output.metrics,
+        predictions=rules.evaluate_model.output.predictions,
+        pretrain=rules.pretrain_model.output.metrics,
+        finetune=rules.finetune_model.output.metrics,
         pretrain_manifest=manifest(PRETRAIN_DATASET),
         finetune_manifest=manifest(FINETUNE_DATASET),
     output:
         report("results/report/chexflow_report.html", caption="../report/chexflow_report.rst", category="Report"),
-    params:
-        cfg=json.dumps(config),
-        manifests=f"--manifest {PRETRAIN_DATASET}=" + manifest(PRETRAIN_DATASET)
-        + f" --manifest {FINETUNE_DATASET}=" + manifest(FINETUNE_DATASET),
-        benchmarks="--benchmark pretrain=benchmarks/pretrain/train.tsv"
-        " --benchmark finetune=benchmarks/finetune/train.tsv"
-        " --benchmark evaluate=benchmarks/evaluate/evaluate.tsv",
-        repo=workflow.basedir,
-        studies=report_study_args(),
     log:
         "logs/report/report.log",
     benchmark:
         "benchmarks/report/report.tsv"
     conda:
         "../envs/report.yaml"
+    params:
+        cfg=json.dumps(config),
+        manifests=report_manifest_args(),
+        benchmarks=report_benchmark_args(),
+        repo=workflow.basedir,
+        studies=report_study_args(),
     shell:
         "chexflow report --out {output} --metrics {input.metrics} --predictions {input.predictions}"
         " --pretrain-metrics {input.pretrain} --finetune-metrics {input.finetune}"

@@ -19,16 +19,14 @@ rule scale_pretrain:
         manifest=manifest(PRETRAIN_DATASET),
     output:
         "results/scaling/world{world}/throughput.json",
-    params:
-        cfg=train_config_json("pretrain"),
-        scaling=study_json("scaling"),
-        backend=config["pretrain"]["backend"],
-    wildcard_constraints:
-        world="[1-9][0-9]*",
     log:
         "logs/scaling/world{world}.log",
     benchmark:
         "benchmarks/scaling/world{world}.tsv"
+    wildcard_constraints:
+        world="[1-9][0-9]*",
+    conda:
+        "../envs/train.yaml"
     # all the cores Snakemake may use locally (Snakemake caps a rule's threads at --cores); not
     # `workflow.cores`, which fails under a cluster executor (no --cores): there the profile's
     # cpus_per_task gives each rank its cores
@@ -36,13 +34,16 @@ rule scale_pretrain:
     resources:
         tasks=scaling_tasks,
         mpi="chexflow launch",
-    conda:
-        "../envs/train.yaml"
+    params:
+        cfg=train_config_json("pretrain"),
+        scaling=study_json("scaling"),
+        backend=config["pretrain"]["backend"],
+        out_dir=output_dir,
     shell:
         "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
         " chexflow scale-point --config-json {params.cfg:q} --scaling-json {params.scaling:q}"
         " --world {wildcards.world} --job-threads {threads} --manifest {input.manifest}"
-        " --out-dir results/scaling/world{wildcards.world} > {log} 2>&1"
+        " --out-dir {params.out_dir} > {log} 2>&1"
 
 
 rule summarize_scaling:

@@ -6,17 +6,16 @@ rule split_dataset:
         split_inputs,
     output:
         "data/shards/{dataset}/splits.csv",
-    params:
-        cfg=shard_config_json,
     log:
         "logs/shards/{dataset}/split.log",
     benchmark:
         "benchmarks/shards/{dataset}/split.tsv"
     conda:
         "../envs/data.yaml"
+    params:
+        cfg=shard_config_json,
     shell:
-        "chexflow split --config-json {params.cfg:q} --raw data/raw/{wildcards.dataset}"
-        " --out {output} > {log} 2>&1"
+        "chexflow split --config-json {params.cfg:q} --raw data/raw/{wildcards.dataset}" " --out {output} > {log} 2>&1"
 
 
 rule write_shards:
@@ -25,18 +24,19 @@ rule write_shards:
         splits="data/shards/{dataset}/splits.csv",
     output:
         "data/shards/{dataset}/parts/{part}/manifest.json",
-    params:
-        cfg=shard_config_json,
     log:
         "logs/shards/{dataset}/{part}.log",
     benchmark:
         "benchmarks/shards/{dataset}/{part}.tsv"
     conda:
         "../envs/data.yaml"
+    params:
+        cfg=shard_config_json,
+        out_dir=output_dir,
     shell:
         "chexflow shards --config-json {params.cfg:q} --part {wildcards.part}"
         " --raw data/raw/{wildcards.dataset} --splits {input.splits}"
-        " --out data/shards/{wildcards.dataset}/parts/{wildcards.part} > {log} 2>&1"
+        " --out {params.out_dir} > {log} 2>&1"
 
 
 rule gather_shards:
@@ -45,14 +45,14 @@ rule gather_shards:
         splits="data/shards/{dataset}/splits.csv",
     output:
         "data/shards/{dataset}/manifest.json",
-    params:
-        cfg=gather_config_json,
     log:
         "logs/shards/{dataset}/gather.log",
     benchmark:
         "benchmarks/shards/{dataset}/gather.tsv"
     conda:
         "../envs/data.yaml"
+    params:
+        cfg=gather_config_json,
     shell:
         "chexflow gather --config-json {params.cfg:q} --splits {input.splits} --out {output}"
         " {input.parts} > {log} 2>&1"

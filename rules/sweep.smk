@@ -4,36 +4,35 @@
 # launcher. A trial that diverges or crashes is recorded as failed in its result.json (the job
 # succeeds); a bad trial config, a missing input or preemption fails the job; select_sweep fails
 # when no trial succeeded. The winner (best validation AUROC) is the only model evaluated on test.
-FINETUNE_INIT = config["finetune"].get("init", "random")
 
 
 rule sweep_trial:
     input:
-        init_inputs(FINETUNE_INIT),
-        manifest=manifest(FINETUNE_DATASET),
+        unpack(finetune_inputs),
     output:
         "results/sweep/trials/{trial}/result.json",
-    params:
-        cfg=train_config_json("finetune"),
-        trial=sweep_trial_json,
-        pretrained=init_arg(FINETUNE_INIT),
-    wildcard_constraints:
-        trial="t[0-9]+",
     log:
         "logs/sweep/{trial}.log",
     benchmark:
         "benchmarks/sweep/{trial}.tsv"
+    wildcard_constraints:
+        trial="t[0-9]+",
+    conda:
+        "../envs/train.yaml"
     threads: 2
     resources:
         tasks=2,
         mpi="chexflow launch",
-    conda:
-        "../envs/train.yaml"
+    params:
+        cfg=train_config_json("finetune"),
+        trial=sweep_trial_json,
+        pretrained=pretrained_arg,
+        out_dir=output_dir,
     shell:
         "chexflow sweep-trial --config-json {params.cfg:q} --params-json {params.trial:q}"
         " --trial {wildcards.trial} --launcher {resources.mpi:q} -n {resources.tasks}"
         " --manifest {input.manifest} {params.pretrained}"
-        " --out-dir results/sweep/trials/{wildcards.trial} > {log} 2>&1"
+        " --out-dir {params.out_dir} > {log} 2>&1"
 
 
 rule select_sweep:
@@ -54,22 +53,15 @@ rule select_sweep:
         " --out-model {output.model} {input} > {log} 2>&1"
 
 
-rule evaluate_sweep_winner:
+use rule evaluate_model as evaluate_sweep_winner with:
     input:
-        model="results/sweep/winner/model.pt",
+        model=rules.select_sweep.output.model,
         manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/sweep/evaluate/metrics.json",
         predictions="results/sweep/evaluate/predictions.csv",
         auroc=report("results/sweep/evaluate/auroc.csv", caption="../report/auroc.rst", category="Sweep"),
-    params:
-        cfg=stage_json("evaluate"),
     log:
         "logs/sweep/evaluate.log",
     benchmark:
         "benchmarks/sweep/evaluate.tsv"
-    conda:
-        "../envs/train.yaml"
-    shell:
-        "chexflow evaluate --config-json {params.cfg:q} --model {input.model}"
-        " --manifest {input.manifest} --out-dir results/sweep/evaluate > {log} 2>&1"

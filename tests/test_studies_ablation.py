@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from chexflow.config import ConfigError, TrainConfig
+from chexflow.studies import ablation
 from conftest import REPO, job_counts, snakemake
 
 
@@ -29,6 +31,16 @@ def _config(tmp_path: Path, **finetune) -> tuple[dict, Path]:
 def _shell_of(dry_stdout: str, rule: str) -> str:
     block = dry_stdout.split(f"rule {rule}:", 1)[1]
     return re.search(r"^Shell command: (.*)$", block, re.M).group(1)
+
+
+def test_other_init_is_the_one_the_main_run_does_not_use():
+    assert ablation.other_init({"finetune": {"init": "pretrained"}}) == "random"
+    assert ablation.other_init({"finetune": {"init": "random"}}) == "pretrained"
+    # no finetune.init: the dataclass default, for the workflow and the report alike
+    assert ablation.main_init({}) == ablation.main_init({"finetune": None}) == TrainConfig.init
+    assert ablation.other_init({}) != TrainConfig.init
+    with pytest.raises(ConfigError, match=r"finetune\.init.*'imagenet'"):
+        ablation.other_init({"finetune": {"init": "imagenet"}})
 
 
 def test_ablation_dag_flips_the_init(tmp_path):

@@ -51,6 +51,23 @@ def test_dry_run_dag_has_every_stage_in_order(tmp_path):
         assert rule not in counts, rule
 
 
+def test_finetuning_from_random_init_does_not_wait_for_pretraining(tmp_path):
+    """finetune.init: random, no ablation: fine-tuning and its evaluation need no pretraining job
+    (the report still shows pretraining, so `all` keeps it; its own edges are in the rule graph test)."""
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["finetune"]["init"] = "random"
+    cfg["ablation"] = {"enabled": False}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    dry = snakemake(tmp_path, "-n", "-p", "--configfile", str(tmp_path / "config.yaml"), "--",
+                    "results/evaluate/metrics.json")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    counts = job_counts(dry.stdout)
+    assert counts["finetune_model"] == counts["evaluate_model"] == 1
+    assert "pretrain_model" not in counts and "finetune_ablation" not in counts
+    finetune = dry.stdout.split("rule finetune_model:", 1)[1].split("\n\n", 1)[0]
+    assert "results/pretrain/model.pt" not in finetune and "--pretrained" not in finetune
+
+
 def test_invalid_config_key_fails_before_any_job(tmp_path):
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg["finetune"]["optim"]["learning_rate"] = 0.1

@@ -30,6 +30,7 @@ from chexflow.evaluate import published
 from chexflow.evaluate.metrics import operating_point, paired_bootstrap_auroc_diff, youden_threshold
 from chexflow.fsutil import write_text_atomic
 from chexflow.report import plots
+from chexflow.studies import ablation
 
 __all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions"]
 
@@ -514,8 +515,7 @@ def _ablation_view(main: dict[str, Any], other: dict[str, Any], config: dict,
                    other_predictions: pd.DataFrame | None = None) -> dict[str, Any]:
     """Pretrained vs random init; with both runs' predictions, the paired patient-bootstrap CI of the
     difference of test mean AUROC (pretrained - random) on the same images, and its verdict."""
-    main_init = str((config.get("finetune") or {}).get("init", "pretrained"))
-    other_init = "random" if main_init == "pretrained" else "pretrained"
+    main_init, other_init = ablation.main_init(config), ablation.other_init(config)
     names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}
     rows = []
     for init, m, where in ((main_init, main, "results/evaluate"), (other_init, other, "results/ablation/evaluate")):
