@@ -15,7 +15,7 @@ from chexflow.data import images, nih
 from chexflow.data.phantoms.anatomy import sample_anatomy
 from chexflow.data.phantoms.draw import render_phantom
 from chexflow.data.phantoms.release import (GENERATOR_VERSION, ReleaseError, ReleaseInfo, image_rng, make_release,
-                                            patient_anatomy, sample_rows, split_patients)
+                                            patient_anatomy, patient_pool, pool_rows, sample_rows, split_patients)
 
 SEED = 3
 N_IMAGES = 200
@@ -175,6 +175,31 @@ def test_each_finding_changes_the_image_locally(label):
         assert diff[:4, :4].max() == 0 and diff[-4:, :4].max() == 0   # the corners (air) stay
         changed_any += (diff > 4).sum() >= 8
     assert changed_any >= 5, f"{label}: visible in only {changed_any}/6 renders"
+
+
+def test_patient_pools_partition_the_label_file_and_releases_of_two_pools_are_disjoint(release, tmp_path):
+    """The demo's pretraining corpus (pool "pretrain") never holds a patient of the demo release
+    (pool "finetune"), whatever the seeds: the pools split the label file's patients by a fixed hash."""
+    table = nih.read_label_table(nih.find_label_csv())
+    pid = table["Patient ID"].astype(str)
+    fine, pre = pool_rows(table, "finetune"), pool_rows(table, "pretrain")
+    assert len(fine) + len(pre) == len(table)
+    fine_p, pre_p = set(fine["Patient ID"].astype(str)), set(pre["Patient ID"].astype(str))
+    assert not fine_p & pre_p and fine_p | pre_p == set(pid)
+    assert 0.45 < len(pre_p) / pid.nunique() < 0.55                 # about half each
+    assert {patient_pool(p) for p in list(pre_p)[:50]} == {"pretrain"}
+
+    out, _ = release                                                 # pool "finetune" (the default)
+    corpus = make_release(tmp_path / "corpus", n_images=120, image_size=16, images_per_archive=60,
+                                   test_fraction=0.1, seed=SEED, pool="pretrain")
+    demo_patients = set(nih.read_labels(out / "Data_Entry_2017_v2020.csv")["patient"])
+    corpus_patients = set(nih.read_labels(tmp_path / "corpus" / "Data_Entry_2017_v2020.csv")["patient"])
+    assert corpus.n_images == 120 and len(corpus_patients) > 10
+    assert demo_patients and not demo_patients & corpus_patients
+    assert json.loads((tmp_path / "corpus" / "release.json").read_text())["patient_pool"] == "pretrain"
+    with pytest.raises(ReleaseError, match="patient pool must be one of"):
+        make_release(tmp_path / "x", n_images=10, image_size=16, images_per_archive=10,
+                              test_fraction=0.1, seed=SEED, pool="both")
 
 
 def test_findings_are_learnable_by_a_linear_model():

@@ -93,6 +93,25 @@ def _patient_findings(table: pd.DataFrame) -> dict[str, set[str]]:
     return out
 
 
+# The label file's patients are split once, by a hash of the Patient ID (independent of any seed),
+# into two disjoint pools: the demo release (fine-tuning data) draws from "finetune", the demo's
+# pretraining corpus from "pretrain", so no patient is in both whatever their seeds and sizes.
+PATIENT_POOLS = ("finetune", "pretrain")
+
+
+def patient_pool(patient: str) -> str:
+    """The pool ("finetune" or "pretrain") that NIH patient ``patient`` belongs to (about half each)."""
+    return PATIENT_POOLS[_name_key(f"pool/{patient}") % 2]
+
+
+def pool_rows(table: pd.DataFrame, pool: str) -> pd.DataFrame:
+    """The rows of ``table`` whose patient is in ``pool`` (one of PATIENT_POOLS)."""
+    if pool not in PATIENT_POOLS:
+        raise ReleaseError(f"patient pool must be one of {PATIENT_POOLS}, got {pool!r}")
+    pid = table["Patient ID"].astype(str)
+    return table[pid.map(patient_pool) == pool]
+
+
 def sample_rows(table: pd.DataFrame, n_images: int, seed: int, *, min_patients_per_label: int = 12,
                 max_images_per_patient: int = 8) -> pd.DataFrame:
     """Whole patients, seeded, until ``n_images`` rows (the last patient's later rows dropped if
@@ -267,13 +286,15 @@ def _check_arguments(n_images: int, image_size: int, images_per_archive: int, te
 # --------------------------------------------------------------------------- the release
 
 def make_release(out_dir: Path | str, *, n_images: int, image_size: int, images_per_archive: int,
-                 test_fraction: float, seed: int, labels_csv: Path | str | None = None,
-                 workers: int = 1, progress: bool = False) -> ReleaseInfo:
+                 test_fraction: float, seed: int, pool: str = "finetune",
+                 labels_csv: Path | str | None = None, workers: int = 1,
+                 progress: bool = False) -> ReleaseInfo:
     """Write a synthetic release in the NIH ChestX-ray14 layout to ``out_dir``; see the package doc.
 
     A stale ``SHA256SUMS`` is removed first and written last, so an interrupted run never looks
     complete; stale ``images_NNN.tar.gz`` beyond this release's archives are removed.
-    ``workers`` > 1 renders in that many processes (same bytes as ``workers=1``).
+    ``workers`` > 1 renders in that many processes (same bytes as ``workers=1``). Patients are
+    drawn only from ``pool`` (see ``patient_pool``): releases of different pools share no patient.
     """
     _check_arguments(n_images, image_size, images_per_archive, test_fraction)
     out_dir = Path(out_dir)
@@ -281,7 +302,7 @@ def make_release(out_dir: Path | str, *, n_images: int, image_size: int, images_
     (out_dir / "SHA256SUMS").unlink(missing_ok=True)
 
     src = Path(labels_csv) if labels_csv is not None else nih.find_label_csv()
-    table = nih.read_label_table(src)
+    table = pool_rows(nih.read_label_table(src), pool)
     rows = sample_rows(table, n_images, seed)
     labels = nih.labels_from_findings(rows["Finding Labels"], source=str(src)).to_numpy(np.float32)
     names = rows["Image Index"].tolist()
@@ -301,7 +322,7 @@ def make_release(out_dir: Path | str, *, n_images: int, image_size: int, images_
         "description": "Synthetic phantom chest radiographs in the NIH ChestX-ray14 layout; label rows "
                        "are real rows of the NIH label file, images are rendered phantoms.",
         "generator": GENERATOR, "generator_version": GENERATOR_VERSION,
-        "seed": seed, "image_size": image_size, "images_per_archive": images_per_archive,
+        "seed": seed, "patient_pool": pool, "image_size": image_size, "images_per_archive": images_per_archive,
         "test_fraction": test_fraction,
         "n_images": n_images, "n_patients": len(set(patients)),
         "n_train_val_images": len(train_val), "n_test_images": len(test),
