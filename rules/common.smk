@@ -13,18 +13,33 @@ shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.execut
 
 PRETRAIN_DATASET = config["study"]["pretrain_dataset"]
 FINETUNE_DATASET = config["study"]["finetune_dataset"]
-DEMO_DIR = "data/demo/nih_demo"
+# The generated phantom releases (dataset -> its config section): the demo's fine-tuning data and
+# its pretraining corpus (disjoint patient pools: the adapters' patient_pool).
+DEMO_RELEASES = {"nih_demo": "demo_release", "nih_demo_pretrain": "demo_pretrain_release"}
 
 
 wildcard_constraints:
     dataset="|".join(_registry.NAMES),
+    demo="|".join(DEMO_RELEASES),
     part="[A-Za-z0-9_]+",
     file="[^/]+",
 
 
-def n_demo_archives():
-    d = config.get("demo_release", {})
+def demo_dir(dataset):
+    """Where rule make_demo_release writes a generated release (the demo's 'remote')."""
+    return f"data/demo/{dataset}"
+
+
+def n_demo_archives(dataset):
+    """The archive count of a generated release (None for the other datasets)."""
+    if dataset not in DEMO_RELEASES:
+        return None
+    d = config.get(DEMO_RELEASES[dataset], {})
     return math.ceil(d.get("n_images", 3000) / d.get("images_per_archive", 1000))
+
+
+def demo_release_json(wildcards):
+    return json.dumps(config.get(DEMO_RELEASES[wildcards.demo], {}))
 
 
 def pilot_archives(dataset):
@@ -33,31 +48,26 @@ def pilot_archives(dataset):
 
 
 def source_of(dataset):
-    return _registry.get(dataset).source(n_archives=n_demo_archives() if dataset == "nih_demo" else None)
+    return _registry.get(dataset).source(n_archives=n_demo_archives(dataset))
 
 
 def raw_paths(dataset, files):
     return [f"data/raw/{dataset}/{f.name}" for f in files]
 
 
-def demo_release_files():
-    names = [f.name for f in source_of("nih_demo").files]
-    return [f"{DEMO_DIR}/{name}" for name in names] + [f"{DEMO_DIR}/SHA256SUMS"]
-
-
 def download_inputs(wildcards):
     """The demo's 'remote' is the locally generated release; real sources need nothing local."""
-    return [f"{DEMO_DIR}/SHA256SUMS"] if wildcards.dataset == "nih_demo" else []
+    return [f"{demo_dir(wildcards.dataset)}/SHA256SUMS"] if wildcards.dataset in DEMO_RELEASES else []
 
 
 def download_args(wildcards):
     """The generated demo release has as many archives as demo_release says; real sources are fixed."""
-    return f"--n-archives {n_demo_archives()}" if wildcards.dataset == "nih_demo" else ""
+    return f"--n-archives {n_demo_archives(wildcards.dataset)}" if wildcards.dataset in DEMO_RELEASES else ""
 
 
 def download_mirror(wildcards):
-    if wildcards.dataset == "nih_demo":
-        return DEMO_DIR
+    if wildcards.dataset in DEMO_RELEASES:
+        return demo_dir(wildcards.dataset)
     return config["datasets"].get(wildcards.dataset, {}).get("mirror") or ""
 
 
@@ -91,7 +101,7 @@ def part_inputs(wildcards):
 
 def part_manifests(wildcards):
     cfg = from_dict(ShardConfig, gather_settings(wildcards.dataset))
-    parts = _registry.get(wildcards.dataset).parts(cfg, n_demo_archives())
+    parts = _registry.get(wildcards.dataset).parts(cfg, n_demo_archives(wildcards.dataset))
     return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
 
 

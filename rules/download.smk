@@ -1,20 +1,24 @@
 # Download: one job per file of a source, verified by checksum, written atomically.
 
 
+# A generated phantom release (demo only): nih_demo (fine-tuning) or nih_demo_pretrain (the
+# pretraining corpus). SHA256SUMS is written last and lists every file; each download job checks
+# its file against it.
 rule make_demo_release:
     output:
-        demo_release_files(),
+        "data/demo/{demo}/SHA256SUMS",
     log:
-        "logs/download/make_demo_release.log",
+        "logs/download/make_demo_release_{demo}.log",
     benchmark:
-        "benchmarks/download/make_demo_release.tsv"
+        "benchmarks/download/make_demo_release_{demo}.tsv"
     conda:
         "../envs/data.yaml"
     params:
-        cfg=stage_json("demo_release"),
+        cfg=demo_release_json,
         out_dir=output_dir,
     shell:
-        "chexflow make-demo-release --config-json {params.cfg:q} --out {params.out_dir} > {log} 2>&1"
+        "chexflow make-demo-release --dataset {wildcards.demo} --config-json {params.cfg:q}"
+        " --out {params.out_dir} > {log} 2>&1"
 
 
 rule download_file:

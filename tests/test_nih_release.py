@@ -185,6 +185,7 @@ def _study_config(mirror_url: str, archives: list[int] | None) -> dict:
     cfg["shards"]["nih"].update(image_size=32, samples_per_shard=40, val_fraction=0.2, max_reject_fraction=0.0,
                                 max_missing_fraction=0.0)
     # the shortest pretraining there is: 28 px Fashion-MNIST as stored (no resize), 4 steps, 600 val images
+    cfg["study"]["pretrain_dataset"] = "fashion_mnist"
     cfg["shards"]["fashion_mnist"].update(image_size=28, samples_per_shard=10000, val_fraction=0.01)
     for stage in ("pretrain", "finetune"):
         cfg[stage]["backend"] = "single"

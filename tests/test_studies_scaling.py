@@ -62,7 +62,7 @@ def test_scaling_rules_world_1_and_2(tmp_path, demo_manifest):
     assert counts["scale_pretrain"] == 2 and counts["summarize_scaling"] == 1
     # (with scaling.enabled false, the default, `all` has no scaling job: test_workflow's dry run)
 
-    shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/fashion_mnist")
+    shutil.copytree(demo_manifest.parent, tmp_path / "data/shards" / cfg["study"]["pretrain_dataset"])
     # --cores 1: one thread per rank at both world sizes (on a loaded 2-core CI machine a 2-thread
     # rank can be many times slower than two 1-thread ranks); the job's cores are split by its ranks
     proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--allowed-rules", "scale_pretrain",

@@ -30,11 +30,16 @@ def _load(cls, args):
 # --------------------------------------------------------------------------- stages
 
 def cmd_make_demo_release(args) -> None:
+    from chexflow.data import registry
     from chexflow.data.phantoms.release import make_release
     cfg = _load(DemoReleaseConfig, args)
+    dataset = registry.get(args.dataset)
+    if not getattr(dataset, "generated", False):
+        raise SystemExit(f"make-demo-release: dataset {args.dataset!r} is not a generated phantom release "
+                         f"(those are: {', '.join(n for n, d in registry.DATASETS.items() if getattr(d, 'generated', False))})")
     info = make_release(args.out, n_images=cfg.n_images, image_size=cfg.image_size,
                         images_per_archive=cfg.images_per_archive, test_fraction=cfg.test_fraction,
-                        seed=cfg.seed, workers=args.workers, progress=True)
+                        seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True)
     print(info)
 
 
@@ -153,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--workers", type=int, default=1, help="rendering processes")
+    p.add_argument("--dataset", default="nih_demo",
+                   help="which release: nih_demo (fine-tuning data) or nih_demo_pretrain (the pretraining "
+                        "corpus); they draw from disjoint patient pools")
     p.set_defaults(func=cmd_make_demo_release)
 
     p = sub.add_parser("download", help="fetch one file of a dataset source, verified")

@@ -369,6 +369,7 @@ def study_schema() -> dict:
                                      "finetune_dataset": stage_enum["finetune"]}},
             "datasets": {"type": "object", "additionalProperties": False, "properties": datasets},
             "demo_release": dataclass_schema(DemoReleaseConfig),
+            "demo_pretrain_release": dataclass_schema(DemoReleaseConfig),
             "shards": {"type": "object", "additionalProperties": False, "properties": shards},
             "pretrain": train,
             "finetune": train,

@@ -131,11 +131,11 @@ def release_source(n_archives: int | None) -> Source:
                   files=archives + _nih_tables(), how_to_obtain=_NIH_HOW)
 
 
-def demo_source(n_archives: int | None) -> Source:
-    n = _check_n_archives("nih_demo", n_archives, None)
+def demo_source(n_archives: int | None, name: str = "nih_demo") -> Source:
+    n = _check_n_archives(name, n_archives, None)
     archives = tuple(RemoteFile(archive_name(i), None, role="archive") for i in range(1, n + 1))
     return Source(
-        name="nih_demo", title="Synthetic phantom release in the NIH ChestX-ray14 layout",
+        name=name, title="Synthetic phantom release in the NIH ChestX-ray14 layout",
         files=archives + _nih_tables(), checksums_file="SHA256SUMS", synthetic=True,
         how_to_obtain="The phantom release is generated locally (chexflow.data.phantoms); "
                       "pass the directory it was written to as the mirror.")
@@ -382,11 +382,13 @@ class NIHDataset(Dataset):
     ``generated``: the synthetic phantom release (``chexflow.data.phantoms``), whose archive count
     is its own (``n_archives``) and whose tables are not the published ones. Otherwise the real
     release: its 12 archives (a pilot subset is ``ShardConfig.archives``), tables checked against
-    the published content."""
+    the published content. ``patient_pool``: the generated release's pool of NIH patients
+    (``phantoms.release.PATIENT_POOLS``; releases of different pools share no patient)."""
     name: str = "nih"
     stage: str = "finetune"
     split_roles: tuple[str, ...] = ("labels", "split_list")
     generated: bool = False
+    patient_pool: str = "finetune"
 
     def source_options(self) -> dict:
         if self.generated:
@@ -395,7 +397,7 @@ class NIHDataset(Dataset):
                              "items": {"type": "integer", "minimum": 1, "maximum": NIH_N_ARCHIVES}}}
 
     def source(self, n_archives: int | None = None) -> Source:
-        return demo_source(n_archives) if self.generated else release_source(n_archives)
+        return demo_source(n_archives, self.name) if self.generated else release_source(n_archives)
 
     def source_in(self, raw_dir: Path) -> Source:
         if not self.generated:
@@ -416,8 +418,10 @@ class NIHDataset(Dataset):
 
     def info(self, raw_dir: Path | None = None) -> DatasetInfo:
         if self.generated:
-            return DatasetInfo(self.name, "mini-NIH synthetic phantoms (embedded demo)", "multilabel",
-                               tuple(LABELS), True, "the phantom release's own split lists (NIH layout)")
+            title = ("mini-NIH synthetic phantoms (embedded demo)" if self.stage == "finetune" else
+                     "mini-NIH synthetic phantoms, pretraining corpus (patients disjoint from the demo's)")
+            return DatasetInfo(self.name, title, "multilabel", tuple(LABELS), True,
+                               "the phantom release's own split lists (NIH layout)")
         return DatasetInfo(self.name, "NIH ChestX-ray14", "multilabel", tuple(LABELS), False, SPLIT_SOURCE)
 
     def split(self, raw_dir: Path, cfg: ShardConfig, *, expected: ReleaseCounts | None = None) -> pd.DataFrame:
@@ -452,3 +456,6 @@ class NIHDataset(Dataset):
 
 ADAPTER = NIHDataset()
 DEMO_ADAPTER = NIHDataset(name="nih_demo", generated=True)
+# the demo's pretraining corpus: a second phantom release, patients from the other pool
+DEMO_PRETRAIN_ADAPTER = NIHDataset(name="nih_demo_pretrain", stage="pretrain", generated=True,
+                                   patient_pool="pretrain")

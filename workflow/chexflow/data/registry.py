@@ -14,6 +14,7 @@ from chexflow.data.sources import UnknownSourceError
 DATASETS: dict[str, Dataset] = {a.name: a for a in (
     fashion_mnist.ADAPTER,
     nih.DEMO_ADAPTER,
+    nih.DEMO_PRETRAIN_ADAPTER,
     nih.ADAPTER,
     imagenet.ADAPTER,
 )}
