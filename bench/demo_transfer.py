@@ -62,13 +62,13 @@ def run(cmd: list[str], log: Path, env: dict) -> None:
 
 def build(work: Path, name: str, dataset: str, release: dict, shard_cfg: dict, env: dict) -> Path:
     """Release + split + shards + gather of one phantom release; returns its manifest."""
+    from chexflow.data import registry
     from chexflow.data.phantoms.release import make_release
-    from chexflow.data.sources import DEMO_RELEASE_POOLS
     manifest = work / "shards" / name / "manifest.json"
     if manifest.exists():
         return manifest
     raw = work / "raw" / name
-    make_release(raw, pool=DEMO_RELEASE_POOLS[dataset], **release)
+    make_release(raw, pool=registry.get(dataset).patient_pool, **release)
     sdir = work / "shards" / name
     sdir.mkdir(parents=True, exist_ok=True)
     cfg = json.dumps({**shard_cfg, "dataset": dataset})
