@@ -189,6 +189,10 @@ def test_patient_pools_partition_the_label_file_and_releases_of_two_pools_are_di
     assert 0.45 < len(pre_p) / pid.nunique() < 0.55                 # about half each
     assert {patient_pool(p) for p in list(pre_p)[:50]} == {"pretrain"}
 
+    from chexflow.data import registry                               # the workflow's two releases
+    assert registry.get("nih_demo").patient_pool == "finetune"
+    assert registry.get("nih_demo_pretrain").patient_pool == "pretrain"
+    assert registry.get("nih_demo_pretrain").stage == "pretrain"
     out, _ = release                                                 # pool "finetune" (the default)
     corpus = make_release(tmp_path / "corpus", n_images=120, image_size=16, images_per_archive=60,
                                    test_fraction=0.1, seed=SEED, pool="pretrain")

@@ -18,7 +18,7 @@ from conftest import REPO, cli_env
 
 
 def _source(name: str) -> Source:
-    return registry.get(name).source(n_archives=3 if name == "nih_demo" else None)
+    return registry.get(name).source(n_archives=3 if name in ("nih_demo", "nih_demo_pretrain") else None)
 
 
 def test_config_schema_datasets_are_the_registry():
@@ -26,7 +26,7 @@ def test_config_schema_datasets_are_the_registry():
     assert list(schema["properties"]["datasets"]["properties"]) == list(registry.NAMES)
     assert list(schema["properties"]["shards"]["properties"]) == list(registry.NAMES)
     study = schema["properties"]["study"]["properties"]
-    assert study["pretrain_dataset"]["enum"] == ["fashion_mnist", "imagenet"]
+    assert study["pretrain_dataset"]["enum"] == ["fashion_mnist", "nih_demo_pretrain", "imagenet"]
     assert study["finetune_dataset"]["enum"] == ["nih_demo", "nih"]
     # dataset-specific keys come from the adapters: the NIH pilot subset, ImageNet's train parts
     assert "archives" in schema["properties"]["datasets"]["properties"]["nih"]["properties"]
@@ -36,7 +36,7 @@ def test_config_schema_datasets_are_the_registry():
 
 
 def test_unknown_dataset_names_the_known_ones():
-    with pytest.raises(sources.UnknownSourceError, match="known datasets: fashion_mnist, nih_demo, nih, imagenet"):
+    with pytest.raises(sources.UnknownSourceError, match="known datasets: fashion_mnist, nih_demo, nih_demo_pretrain, nih, imagenet"):
         registry.get("chexpert")
 
 
