@@ -20,7 +20,9 @@ rule pretrain_model:
         "../envs/train.yaml"
     threads: 2
     resources:
-        tasks=2,
+        # one local rank on a workstation: two CPU ranks on 2 cores cost 2.3-2.5x the CPU of one
+        # (BENCHMARKS.md); `--set-resources pretrain_model:tasks=N`, and the SLURM profile, set N
+        tasks=1,
         mpi="chexflow launch",
     params:
         cfg=train_config_json("pretrain"),

@@ -87,8 +87,11 @@ def test_end_to_end_tiny(tmp_path):
     backend = "horovod" if horovod_available() else "ddp"
     cfgfile = tmp_path / "config.yaml"
     cfgfile.write_text(yaml.safe_dump(tiny_config(backend)))
-    proc = snakemake(tmp_path, "--configfile", str(cfgfile))
+    # two real ranks per training job (a workstation's default is one): the multi-rank chain
+    ranks = ["--set-resources", *(f"{rule}:tasks=2" for rule in ("pretrain_model", "finetune_model", "finetune_ablation"))]
+    proc = snakemake(tmp_path, "--configfile", str(cfgfile), *ranks)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert "chexflow launch -n 2 chexflow train" in proc.stdout + proc.stderr
 
     report = tmp_path / "results/report/chexflow_report.html"
     html = report.read_text()
@@ -112,6 +115,6 @@ def test_end_to_end_tiny(tmp_path):
     assert 'id="pretraining-gain"' in html and "(paired, patients resampled)" in html
     assert re.search(r'id="pretraining-verdict"[^>]*>\s*(Pretraining helps|Pretraining HURTS|No gain of pretraining)', html)
     # a second run has nothing to do
-    again = snakemake(tmp_path, "--configfile", str(cfgfile))
+    again = snakemake(tmp_path, "--configfile", str(cfgfile), *ranks)
     assert again.returncode == 0
     assert "Nothing to be done" in again.stdout + again.stderr
