@@ -18,10 +18,12 @@ rule pretrain_model:
         "benchmarks/pretrain/train.tsv"
     conda:
         "../envs/train.yaml"
-    threads: 2
+    # one core (OMP_NUM_THREADS=1) and one local rank on a workstation: two CPU ranks on 2 cores
+    # cost 2.3-2.5x the CPU of one, and two one-core jobs (pretraining and the ablation's
+    # fine-tuning) side by side beat one two-core job after the other (BENCHMARKS.md);
+    # `--set-resources pretrain_model:tasks=N` and the SLURM profile set N ranks and their cores
+    threads: 1
     resources:
-        # one local rank on a workstation: two CPU ranks on 2 cores cost 2.3-2.5x the CPU of one
-        # (BENCHMARKS.md); `--set-resources pretrain_model:tasks=N`, and the SLURM profile, set N
         tasks=1,
         mpi="chexflow launch",
     params:
