@@ -87,8 +87,12 @@ def test_end_to_end_tiny(tmp_path):
     backend = "horovod" if horovod_available() else "ddp"
     cfgfile = tmp_path / "config.yaml"
     cfgfile.write_text(yaml.safe_dump(tiny_config(backend)))
-    # two real ranks per training job (a workstation's default is one): the multi-rank chain
-    ranks = ["--set-resources", *(f"{rule}:tasks=2" for rule in ("pretrain_model", "finetune_model", "finetune_ablation"))]
+    # two real ranks of two cores per training job (a workstation's default is one rank on one
+    # core): the multi-rank chain, in the configuration this test's numbers were validated with
+    # (CPU runs are deterministic for a given rank and thread count, not across them)
+    jobs = ("pretrain_model", "finetune_model", "finetune_ablation")
+    ranks = ["--set-resources", *(f"{rule}:tasks=2" for rule in jobs),
+             "--set-threads", *(f"{rule}=2" for rule in jobs)]
     proc = snakemake(tmp_path, "--configfile", str(cfgfile), *ranks)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "chexflow launch -n 2 chexflow train" in proc.stdout + proc.stderr
