@@ -131,13 +131,23 @@ class Trainer:
         self.bpps = cfg.horovod.backward_passes_per_step
         # reads the manifest only; staging to node-local disk (a collective) happens in fit()
         self.data = TrainData.build(cfg, paths.manifest, rank=backend.rank, world=backend.size)
-        self.task, self.labels = self.data.task, self.data.labels
-        self.steps_per_epoch = self.data.steps_per_epoch
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.run_id = run_id(cfg, paths.pretrained if cfg.init == "pretrained" else None)
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.frozen: list[torch.nn.Module] = []
+
+    @property
+    def task(self) -> str:
+        return self.data.task
+
+    @property
+    def labels(self) -> list[str]:
+        return self.data.labels
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.data.steps_per_epoch
 
     @property
     def global_batch(self) -> int:
