@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def train_cfg(backend: str, **over) -> dict:
            "data": {"crop": 32, "workers": 0, "shuffle_buffer": 16},
            "optim": {"name": "sgd", "lr": 0.05, "reference_batch": 16},
            "schedule": {"warmup_epochs": 0.5, "decay": "cosine"},
-           "checkpoint": {"every_steps": 2, "keep": 50}}
+           "checkpoint": {"every_steps": 2, "keep": 2}}
     for k, v in over.items():
         cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and k in cfg else v
     return cfg
@@ -82,7 +83,9 @@ def reference_runs(demo_manifest, tmp_path_factory):
         code = run(backend, 2, train_cfg(backend, **over), demo_manifest, work)
         assert code == 0, (work / "run.log").read_text()[-3000:]
         out[backend] = work
-    return out
+    yield out
+    for work in out.values():       # a module's scratch is not tmp_path: no retention policy removes it
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,7 +60,8 @@ def slurm_demo(slurm_cluster, tmp_path_factory):  # noqa: F811
     proc = snakemake_slurm(slurm_cluster, work, cfgfile)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    return slurm_cluster, work, cfg, cfgfile, log
+    yield slurm_cluster, work, cfg, cfgfile, log
+    shutil.rmtree(work, ignore_errors=True)    # 1.7 GB of checkpoints; tmp_path's retention does not cover it
 
 
 def test_demo_on_slurm_every_rule_a_job_on_its_partition(slurm_demo):
