@@ -1,10 +1,9 @@
 # Path helpers and wildcard lists for the rules (no logic beyond naming things).
 import json
-import math
 import os
 import sys
 
-from chexflow.config import ShardConfig, from_dict
+from chexflow.config import DemoReleaseConfig, ShardConfig, from_dict
 from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
 from chexflow.studies import ablation as _ablation
 
@@ -13,9 +12,9 @@ shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.execut
 
 PRETRAIN_DATASET = config["study"]["pretrain_dataset"]
 FINETUNE_DATASET = config["study"]["finetune_dataset"]
-# The generated phantom releases (dataset -> its config section): the demo's fine-tuning data and
-# its pretraining corpus (disjoint patient pools: the adapters' patient_pool).
-DEMO_RELEASES = {"nih_demo": "demo_release", "nih_demo_pretrain": "demo_pretrain_release"}
+# The generated phantom releases (dataset -> its config section; the adapters say): the demo's
+# fine-tuning data and its pretraining corpus (disjoint patient pools: the adapters' patient_pool).
+DEMO_RELEASES = {name: d.release_config for name, d in _registry.DATASETS.items() if d.generated}
 
 
 wildcard_constraints:
@@ -34,8 +33,7 @@ def n_demo_archives(dataset):
     """The archive count of a generated release (None for the other datasets)."""
     if dataset not in DEMO_RELEASES:
         return None
-    d = config.get(DEMO_RELEASES[dataset], {})
-    return math.ceil(d.get("n_images", 3000) / d.get("images_per_archive", 1000))
+    return from_dict(DemoReleaseConfig, config.get(DEMO_RELEASES[dataset], {})).n_archives
 
 
 def demo_release_json(wildcards):

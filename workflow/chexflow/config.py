@@ -59,6 +59,9 @@ class OptimConfig:
     weight_decay: float = 1e-4
     nesterov: bool = True
     backbone_lr_mult: float = 1.0     # init pretrained: backbone LR = this x the head's (ignored for random init)
+    # the optimizer's kernels (torchtitan's names): fused = one kernel over all parameters (CUDA and
+    # CPU); foreach = multi-tensor ops; for-loop = one tensor at a time (torch's default on CPU)
+    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,11 @@ class DemoReleaseConfig:
     images_per_archive: int = 1000
     test_fraction: float = 0.2
     seed: int = 2017
+
+    @property
+    def n_archives(self) -> int:
+        """images_001.tar.gz ... images_<n>.tar.gz: the last archive may hold fewer images."""
+        return -(-self.n_images // self.images_per_archive)
 
 
 @dataclass(frozen=True)
@@ -368,8 +376,8 @@ def study_schema() -> dict:
                                      "pretrain_dataset": stage_enum["pretrain"],
                                      "finetune_dataset": stage_enum["finetune"]}},
             "datasets": {"type": "object", "additionalProperties": False, "properties": datasets},
-            "demo_release": dataclass_schema(DemoReleaseConfig),
-            "demo_pretrain_release": dataclass_schema(DemoReleaseConfig),
+            **{d.release_config: dataclass_schema(DemoReleaseConfig)
+               for d in DATASETS.values() if d.release_config},
             "shards": {"type": "object", "additionalProperties": False, "properties": shards},
             "pretrain": train,
             "finetune": train,

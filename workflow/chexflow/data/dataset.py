@@ -52,6 +52,13 @@ class Dataset:
     stage: str                     # the study stage it serves: "pretrain" or "finetune"
     split_roles: tuple[str, ...]   # roles (``sources.ROLES``) of the files the split reads
     shard_options: tuple[str, ...] = ()   # dataset-specific ShardConfig fields allowed in shards.<name>
+    # a release chexflow generates (rule make_demo_release) instead of downloading: the config.yaml
+    # section of its DemoReleaseConfig; None for a release that is downloaded
+    release_config: str | None = None
+
+    @property
+    def generated(self) -> bool:
+        return self.release_config is not None
 
     def source_options(self) -> dict:
         """JSON-schema properties of dataset-specific keys under ``datasets.<name>`` besides ``mirror``."""

@@ -379,15 +379,14 @@ class NIHDataset(Dataset):
     """ChestX-ray14 in its release layout: one shard job per ``images_NNN.tar.gz``, reading it and
     the label table; the split comes from the official lists (val carved out by patient).
 
-    ``generated``: the synthetic phantom release (``chexflow.data.phantoms``), whose archive count
-    is its own (``n_archives``) and whose tables are not the published ones. Otherwise the real
+    ``release_config`` set (``generated``): the synthetic phantom release (``chexflow.data.phantoms``),
+    whose archive count is its own (``n_archives``) and whose tables are not the published ones. Otherwise the real
     release: its 12 archives (a pilot subset is ``ShardConfig.archives``), tables checked against
     the published content. ``patient_pool``: the generated release's pool of NIH patients
     (``phantoms.release.PATIENT_POOLS``; releases of different pools share no patient)."""
     name: str = "nih"
     stage: str = "finetune"
     split_roles: tuple[str, ...] = ("labels", "split_list")
-    generated: bool = False
     patient_pool: str = "finetune"
 
     def source_options(self) -> dict:
@@ -455,7 +454,7 @@ class NIHDataset(Dataset):
 
 
 ADAPTER = NIHDataset()
-DEMO_ADAPTER = NIHDataset(name="nih_demo", generated=True)
+DEMO_ADAPTER = NIHDataset(name="nih_demo", release_config="demo_release")
 # the demo's pretraining corpus: a second phantom release, patients from the other pool
-DEMO_PRETRAIN_ADAPTER = NIHDataset(name="nih_demo_pretrain", stage="pretrain", generated=True,
-                                   patient_pool="pretrain")
+DEMO_PRETRAIN_ADAPTER = NIHDataset(name="nih_demo_pretrain", stage="pretrain",
+                                   release_config="demo_pretrain_release", patient_pool="pretrain")

@@ -35,7 +35,7 @@ from chexflow.train.backends import Backend, backend_for, gather_arrays
 from chexflow.train.inputs import TrainData, stage_on_node
 from chexflow.train.losses import task_loss
 from chexflow.train.models import build_model, freeze_backbone, load_backbone, param_groups
-from chexflow.train.schedule import make_scheduler, scaled_lr, set_scheduler_step
+from chexflow.train.schedule import build_optimizer, make_scheduler, scaled_lr, set_scheduler_step
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
 EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
@@ -169,13 +169,7 @@ class Trainer:
         model.to(self.device)
         # a backbone loaded from pretraining may learn slower than the new head (optim.backbone_lr_mult)
         params = param_groups(model, backbone_lr_mult=cfg.optim.backbone_lr_mult if cfg.init == "pretrained" else 1.0)
-        if cfg.optim.name == "sgd":
-            opt = torch.optim.SGD(params, lr=1.0, momentum=cfg.optim.momentum,
-                                  weight_decay=cfg.optim.weight_decay, nesterov=cfg.optim.nesterov)
-        elif cfg.optim.name == "adam":
-            opt = torch.optim.Adam(params, lr=1.0, weight_decay=cfg.optim.weight_decay)
-        else:
-            opt = torch.optim.AdamW(params, lr=1.0, weight_decay=cfg.optim.weight_decay)
+        opt = build_optimizer(cfg.optim, params)
         sched = make_scheduler(opt, **self._schedule_args())
         return model, opt, sched
 
