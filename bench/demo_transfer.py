@@ -5,8 +5,9 @@ corpus (demo_pretrain_release: a second phantom release from the disjoint "pretr
 pool), shards both, then for one recipe: pretraining -> fine-tuning from it and from random init
 (same budget) for each seed -> test AUROC of both and their paired patient-bootstrap difference
 (metrics.paired_bootstrap_auroc_diff, as the report computes it). Stages run as the workflow runs
-them (`chexflow split|shards|gather|train|evaluate`) but single rank with the demo's global batch
-(2 ranks x batch_size), OMP_NUM_THREADS=1, to measure several seeds in little time.
+them (`chexflow split|shards|gather|train|evaluate`) on one rank with one core
+(OMP_NUM_THREADS=1) and config.yaml's batch sizes, as the workstation profile runs the demo (one
+rank per training job, one core each), so a seed's row is what the demo reports for that seed.
 
 usage: python bench/demo_transfer.py WORKDIR '{}' --name default [--seeds 0,1,2]
   the JSON: overrides {"corpus": {...demo_pretrain_release keys...}, "pretrain": {...},
@@ -140,8 +141,7 @@ def main() -> None:
     run_dir = work / "runs" / args.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.json").write_text(json.dumps(rec, indent=1))
-    pre = section(conf, "pretrain", {"backend": "single", "checkpoint.every_steps": 0,
-                                     "batch_size": 2 * conf["pretrain"]["batch_size"], **rec.get("pretrain", {})})
+    pre = section(conf, "pretrain", {"backend": "single", "checkpoint.every_steps": 0, **rec.get("pretrain", {})})
     pre = {**pre, "stage": "pretrain", "dataset": "nih_demo_pretrain"}
     t, c = time.time(), cpu_children()
     rows = train(run_dir / "pretrain", pre, corpus, env)
@@ -155,7 +155,6 @@ def main() -> None:
         res = {}
         for init in args.inits.split(","):
             ft = section(conf, "finetune", {"backend": "single", "checkpoint.every_steps": 0,
-                                            "batch_size": 2 * conf["finetune"]["batch_size"],
                                             **rec.get("finetune", {}), "init": init, "seed": seed})
             ft = {**ft, "stage": "finetune", "dataset": "nih_demo"}
             d = run_dir / f"ft_{init}_s{seed}"

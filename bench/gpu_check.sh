@@ -12,7 +12,7 @@
 # 3. runs the demo chain with CUDA (profiles/default + bench/gpu_check.yaml, in a scratch dir);
 # 4. runs the throughput benchmark (bench/train_throughput.py: bare torchvision loop vs chexflow's
 #    full path vs the loader alone, same process) for ResNet-50 and DenseNet-121 at 224 px, bf16,
-#    batch 256.
+#    batch 256, and the optimizer step by kernel implementation (bench/optimizer_step.py).
 # Results: bench/results/gpu_check-<stamp>.json (device, versions, each step's outcome and the
 # throughput figures) plus the logs next to it. Exit status 0 only if every step passed.
 #
@@ -88,6 +88,15 @@ if [[ " $STEPS " == *" bench "* ]]; then
     fi
     say "$arch: ${status[bench_$arch]} ($(tail -1 "$RES/throughput-$arch-$stamp.log"))"
   done
+  say "optimizer step by kernel implementation (for-loop / foreach / fused) on CUDA"
+  arch_list=$(echo "$ARCHS" | tr ' ' ',')
+  if "$PY" bench/optimizer_step.py --device cuda --archs "$arch_list" --optims adam,sgd \
+       --json "$RES/optimizer_step-$stamp.json" >"$RES/optimizer_step-$stamp.log" 2>&1; then
+    status[bench_optimizer]=done
+  else
+    status[bench_optimizer]=failed
+  fi
+  say "optimizer step: ${status[bench_optimizer]} (log $RES/optimizer_step-$stamp.log)"
 fi
 
 summary="$RES/gpu_check-$stamp.json"
@@ -102,9 +111,11 @@ except Exception:  # noqa: BLE001
     hvd = None
 steps = dict(line.split("=", 1) for line in os.environ["STATUSES"].splitlines() if "=" in line)
 bench = [json.load(open(p)) for p in sorted(glob.glob(f"{os.environ['RES']}/throughput-*-{os.environ['STAMP']}.json"))]
+opt_path = f"{os.environ['RES']}/optimizer_step-{os.environ['STAMP']}.json"
+optimizer = json.load(open(opt_path)) if os.path.exists(opt_path) else None
 out = {"stamp": os.environ["STAMP"], "device": torch.cuda.get_device_name(), "torch": torch.__version__,
        "cuda": torch.version.cuda, "horovod": hvd, "cpu_cores": len(os.sched_getaffinity(0)), "steps": steps,
-       "throughput": bench}
+       "throughput": bench, "optimizer_step": optimizer}
 tmp = sys.argv[1] + ".tmp"
 with open(tmp, "w") as fh:
     json.dump(out, fh, indent=1)

@@ -71,8 +71,9 @@ def history(work: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference_runs(demo_manifest, tmp_path_factory):
+def reference_runs(demo_manifest, tmp_path_factory, request):
     """One uninterrupted 2-rank run per available backend (shared by several tests)."""
+    failed_before = request.session.testsfailed
     out = {}
     for backend in ("horovod", "ddp"):
         if backend == "horovod" and not horovod_available():
@@ -84,8 +85,11 @@ def reference_runs(demo_manifest, tmp_path_factory):
         assert code == 0, (work / "run.log").read_text()[-3000:]
         out[backend] = work
     yield out
-    for work in out.values():       # a module's scratch is not tmp_path: no retention policy removes it
-        shutil.rmtree(work, ignore_errors=True)
+    # a module's scratch is not tmp_path, which the retention policy removes: ~300 MB of checkpoints
+    # go when the module's tests passed, and stay to be looked at when one failed
+    if request.session.testsfailed == failed_before:
+        for work in out.values():
+            shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

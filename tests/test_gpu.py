@@ -47,25 +47,29 @@ def _trainer(cfg, manifest, tmp_path) -> T.Trainer:
                      Backend())
 
 
-def test_cuda_resume_puts_optimizer_state_on_the_gpu_and_finishes(demo_manifest, tmp_path):
-    first = _trainer(_cfg(max_steps=3), demo_manifest, tmp_path)
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_cuda_resume_puts_optimizer_state_on_the_gpu_and_finishes(demo_manifest, tmp_path, optim):
+    """With the fused kernels (the default; Adam's fused step also keeps its step count on the GPU)."""
+    over = {"optim": {"name": optim, "lr": 0.05 if optim == "sgd" else 1e-3}}
+    first = _trainer(_cfg(max_steps=3, **over), demo_manifest, tmp_path)
     assert first.device.type == "cuda" and first.channels_last and first.bf16
     assert first.fit() == 0
     assert first.model.layer1[0].conv1.weight.is_contiguous(memory_format=torch.channels_last)
     for f in (tmp_path / "out").iterdir():
         f.unlink()
-    t = _trainer(_cfg(max_steps=6), demo_manifest, tmp_path)
+    t = _trainer(_cfg(max_steps=6, **over), demo_manifest, tmp_path)
     model, opt, sched = t._build()
     prog = t._restore(model, opt, sched)
     assert prog.step == 3 or prog.epoch == 1
     for group in opt.param_groups:
+        assert group["fused"] is True
         for p in group["params"]:
             assert p.device.type == "cuda"
             for v in opt.state[p].values():
                 if isinstance(v, torch.Tensor) and v.dim():
                     assert v.device == p.device, "optimizer state must live next to its parameter"
     # and the step that failed before (device mismatch in opt.step) now runs to the end
-    assert _trainer(_cfg(max_steps=6), demo_manifest, tmp_path).fit() == 0
+    assert _trainer(_cfg(max_steps=6, **over), demo_manifest, tmp_path).fit() == 0
     row = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 6 and row["train_loss"] == row["train_loss"]
 

@@ -47,8 +47,9 @@ FINETUNE_ONLY = "results/finetune/model.pt"     # the preemption tests stop at f
 
 
 @pytest.fixture(scope="module")
-def slurm_demo(slurm_cluster, tmp_path_factory):  # noqa: F811
+def slurm_demo(slurm_cluster, tmp_path_factory, request):  # noqa: F811
     """The demo workflow, run once on the cluster: (cluster, workdir, config, config file, log)."""
+    failed_before = request.session.testsfailed
     work = tmp_path_factory.mktemp("slurm-demo")
     cfg = tiny_config("horovod")
     cfg["finetune"]["epochs"] = 2
@@ -61,7 +62,10 @@ def slurm_demo(slurm_cluster, tmp_path_factory):  # noqa: F811
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     yield slurm_cluster, work, cfg, cfgfile, log
-    shutil.rmtree(work, ignore_errors=True)    # 1.7 GB of checkpoints; tmp_path's retention does not cover it
+    # up to 1.7 GB of checkpoints, not under tmp_path's retention policy: removed when the module's
+    # tests passed, kept to be looked at when one failed
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_demo_on_slurm_every_rule_a_job_on_its_partition(slurm_demo):
@@ -189,7 +193,9 @@ def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
         time.sleep(1)
     assert state.startswith("CANCELLED"), state
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=180) != 0
+    # Snakemake cancels its jobs and waits for the executor before exiting: on a loaded 2-core
+    # machine (load 5) that took over 180 s once
+    assert proc.wait(timeout=420) != 0
     assert not (work / "results/finetune/model.pt").exists()
     assert not (work / "results/finetune/metrics.jsonl").exists()
     # the same command again: fine-tuning resumes from the checkpoint the cancelled job left

@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+import pandas as pd
 import pytest
 import yaml
+from sklearn.metrics import roc_auc_score
 
 from conftest import REPO, horovod_available, job_counts, snakemake
 
@@ -107,13 +110,24 @@ def test_end_to_end_tiny(tmp_path):
     values = [float(v) for _, v in rows]
     assert all(0.0 <= v <= 1.0 for v in values)
     metrics = json.loads((tmp_path / "results/evaluate/metrics.json").read_text())
-    assert metrics["mean_auroc"] > 0.55, metrics["mean_auroc"]
+    print(f"test mean AUROC {metrics['mean_auroc']:.4f}")      # shown with -rP
     assert abs(sum(values) / 14 - metrics["mean_auroc"]) < 0.01
-    # pretraining happened and is in the report
+    # the evaluation's number is its predictions' own (recomputed with scikit-learn from the CSV,
+    # whose scores are rounded to 6 digits), over every test image, and the scores are not constant
+    pred = pd.read_csv(tmp_path / "results/evaluate/predictions.csv")
+    recomputed = np.mean([roc_auc_score(pred[c], pred[f"{c}_score"]) for c in metrics["mean_auroc_labels"]])
+    assert recomputed == pytest.approx(metrics["mean_auroc"], abs=1e-3)
+    assert len(pred) == metrics["n_images"] and pred.filter(like="_score").std().min() > 0
+    # No bound on the AUROC itself: this chain's 26 pretraining steps leave validation at chance and
+    # its test AUROC sat at 0.51-0.56 by numerical luck (one core or two per rank, fused or for-loop
+    # Adam). That training learns: test_trainer_paths.py::test_the_trainer_learns_a_learnable_task.
+    # Pretraining happened and is in the report; every training job's loss falls
     pre = [json.loads(x) for x in (tmp_path / "results/pretrain/metrics.jsonl").read_text().splitlines()]
-    # on the demo's phantom corpus: the 14 findings, multi-label (a few dozen steps: the loss falls)
+    # on the demo's phantom corpus: the 14 findings, multi-label
     assert len(pre) == 2 and pre[-1]["val_metric_name"] == "mean_auroc" and pre[-1]["world_size"] == 2
-    assert pre[-1]["train_loss"] < pre[0]["train_loss"]
+    for stage in ("pretrain", "finetune", "ablation/finetune"):
+        hist = [json.loads(x) for x in (tmp_path / f"results/{stage}/metrics.jsonl").read_text().splitlines()]
+        assert hist[-1]["train_loss"] < hist[0]["train_loss"], stage
     assert "Pretraining" in html or "pretraining" in html
     # the default ablation: the summary states the gain of pretraining with its paired CI and a verdict
     assert 'id="pretraining-gain"' in html and "(paired, patients resampled)" in html
