@@ -63,6 +63,7 @@ def run(cmd: list[str], log: Path, env: dict) -> None:
 
 def build(work: Path, name: str, dataset: str, release: dict, shard_cfg: dict, env: dict) -> Path:
     """Release + split + shards + gather of one phantom release; returns its manifest."""
+    from chexflow.config import DemoReleaseConfig, from_dict
     from chexflow.data import registry
     from chexflow.data.phantoms.release import make_release
     manifest = work / "shards" / name / "manifest.json"
@@ -75,7 +76,7 @@ def build(work: Path, name: str, dataset: str, release: dict, shard_cfg: dict, e
     cfg = json.dumps({**shard_cfg, "dataset": dataset})
     chex = BIN / "chexflow"
     run([chex, "split", "--config-json", cfg, "--raw", raw, "--out", sdir / "splits.csv"], sdir / "split.log", env)
-    n_arch = -(-release["n_images"] // release["images_per_archive"])
+    n_arch = from_dict(DemoReleaseConfig, release).n_archives
     parts = []
     for i in range(1, n_arch + 1):
         part = f"images_{i:03d}"
