@@ -2,11 +2,14 @@
 download from a file mirror -> patient-wise split -> shards -> manifest)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -72,6 +75,20 @@ def build_demo_dataset(root: Path, *, n_images: int = 240, image_size: int = 32,
     cfg = ShardConfig(dataset="nih_demo", image_size=image_size, samples_per_shard=samples_per_shard,
                       val_fraction=0.2, max_reject_fraction=0.0)
     return shards.build_dataset("nih_demo", raw, root / "shards", cfg, n_archives=n_archives)
+
+
+@contextlib.contextmanager
+def module_scratch(tmp_path_factory, request, name: str) -> Iterator[Path]:
+    """The scratch directory of a module-scoped fixture (``tmp_path_factory.mktemp(name)``).
+
+    pytest's ``tmp_path_retention_policy = "failed"`` covers ``tmp_path`` only. This removes the
+    directory (training runs: hundreds of MB of checkpoints) when the fixture is torn down, unless a
+    test failed while it was in use: then it stays to be looked at."""
+    failed_before = request.session.testsfailed
+    path = tmp_path_factory.mktemp(name)
+    yield path
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from chexflow.train import checkpoint as ckpt
-from conftest import REPO, checkpoint_step, cli_env, horovod_available
+from conftest import REPO, checkpoint_step, cli_env, horovod_available, module_scratch
 
 pytestmark = pytest.mark.slow
 
@@ -73,23 +72,19 @@ def history(work: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference_runs(demo_manifest, tmp_path_factory, request):
     """One uninterrupted 2-rank run per available backend (shared by several tests)."""
-    failed_before = request.session.testsfailed
-    out = {}
-    for backend in ("horovod", "ddp"):
-        if backend == "horovod" and not horovod_available():
-            continue
-        work = tmp_path_factory.mktemp(f"ref-{backend}")
-        # the DDP run reads node-locally staged copies of the shards: same data, same curve
-        over = {"data": {"stage_to": str(work / "node-local")}} if backend == "ddp" else {}
-        code = run(backend, 2, train_cfg(backend, **over), demo_manifest, work)
-        assert code == 0, (work / "run.log").read_text()[-3000:]
-        out[backend] = work
-    yield out
-    # a module's scratch is not tmp_path, which the retention policy removes: ~300 MB of checkpoints
-    # go when the module's tests passed, and stay to be looked at when one failed
-    if request.session.testsfailed == failed_before:
-        for work in out.values():
-            shutil.rmtree(work, ignore_errors=True)
+    with module_scratch(tmp_path_factory, request, "reference") as root:
+        out = {}
+        for backend in ("horovod", "ddp"):
+            if backend == "horovod" and not horovod_available():
+                continue
+            work = root / backend
+            work.mkdir()
+            # the DDP run reads node-locally staged copies of the shards: same data, same curve
+            over = {"data": {"stage_to": str(work / "node-local")}} if backend == "ddp" else {}
+            code = run(backend, 2, train_cfg(backend, **over), demo_manifest, work)
+            assert code == 0, (work / "run.log").read_text()[-3000:]
+            out[backend] = work
+        yield out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

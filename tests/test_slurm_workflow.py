@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, cli_env, horovod_available
+from conftest import REPO, cli_env, horovod_available, module_scratch
 from test_slurm_cluster import CI_OVERLAY, PROFILE, _sacct_rows, slurm_cluster  # noqa: F401
 from test_workflow import tiny_config
 
@@ -49,23 +48,18 @@ FINETUNE_ONLY = "results/finetune/model.pt"     # the preemption tests stop at f
 @pytest.fixture(scope="module")
 def slurm_demo(slurm_cluster, tmp_path_factory, request):  # noqa: F811
     """The demo workflow, run once on the cluster: (cluster, workdir, config, config file, log)."""
-    failed_before = request.session.testsfailed
-    work = tmp_path_factory.mktemp("slurm-demo")
     cfg = tiny_config("horovod")
     cfg["finetune"]["epochs"] = 2
     # SLURM mechanics only: the ablation (on in the default demo) has its own tests and would run
     # fine-tuning twice on the small cluster
     cfg["ablation"]["enabled"] = False
-    cfgfile = work / "config.yaml"
-    cfgfile.write_text(yaml.safe_dump(cfg))
-    proc = snakemake_slurm(slurm_cluster, work, cfgfile)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    yield slurm_cluster, work, cfg, cfgfile, log
-    # up to 1.7 GB of checkpoints, not under tmp_path's retention policy: removed when the module's
-    # tests passed, kept to be looked at when one failed
-    if request.session.testsfailed == failed_before:
-        shutil.rmtree(work, ignore_errors=True)
+    with module_scratch(tmp_path_factory, request, "slurm-demo") as work:     # up to 1.7 GB of checkpoints
+        cfgfile = work / "config.yaml"
+        cfgfile.write_text(yaml.safe_dump(cfg))
+        proc = snakemake_slurm(slurm_cluster, work, cfgfile)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-6000:]
+        yield slurm_cluster, work, cfg, cfgfile, log
 
 
 def test_demo_on_slurm_every_rule_a_job_on_its_partition(slurm_demo):

@@ -379,10 +379,10 @@ class NIHDataset(Dataset):
     """ChestX-ray14 in its release layout: one shard job per ``images_NNN.tar.gz``, reading it and
     the label table; the split comes from the official lists (val carved out by patient).
 
-    ``release_config`` set (``generated``): the synthetic phantom release (``chexflow.data.phantoms``),
-    whose archive count is its own (``n_archives``) and whose tables are not the published ones. Otherwise the real
-    release: its 12 archives (a pilot subset is ``ShardConfig.archives``), tables checked against
-    the published content. ``patient_pool``: the generated release's pool of NIH patients
+    ``release_config`` set (``generated``): the synthetic phantom release
+    (``chexflow.data.phantoms``), whose archive count is its own (``n_archives``) and whose tables
+    are not the published ones. Otherwise the real release: its 12 archives (a pilot subset is
+    ``ShardConfig.archives``), tables checked against the published content. ``patient_pool``: the generated release's pool of NIH patients
     (``phantoms.release.PATIENT_POOLS``; releases of different pools share no patient)."""
     name: str = "nih"
     stage: str = "finetune"
