@@ -78,6 +78,8 @@ def cmd_gather(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from chexflow.train import signals
+    signals.install()           # before torch is imported (seconds): a signal then is remembered, not fatal
     from chexflow.train.trainer import TrainPaths, run
     cfg = _load(TrainConfig, args)
     run(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
@@ -90,6 +92,11 @@ def cmd_launch(args) -> None:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     backend = args.backend or os.environ.get("CHEXFLOW_BACKEND", "horovod")
     sys.exit(launch(backend, args.n, cmd))
+
+
+def cmd_keep_log(args) -> None:
+    from chexflow.fsutil import link_numbered
+    print(f"this attempt's log: {args.log} (kept as {link_numbered(args.log)})", file=sys.stderr)
 
 
 def cmd_evaluate(args) -> None:
@@ -118,6 +125,8 @@ def cmd_report(args) -> None:
 
 
 def cmd_scale_point(args) -> None:
+    from chexflow.train import signals
+    signals.install()           # as `chexflow train`
     from chexflow.studies import scaling
     pretrain = _load(TrainConfig, args)
     study = load_stage_config(ScalingConfig, text=args.scaling_json)
@@ -208,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: $CHEXFLOW_BACKEND or horovod")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("keep-log", help="create a job's log and keep it under a numbered name too (one per attempt)")
+    p.add_argument("log", type=Path, help="the log the job writes (logs/<stage>/train.log -> train.<n>.log)")
+    p.set_defaults(func=cmd_keep_log)
 
     p = sub.add_parser("evaluate", help="test-set predictions, AUROC with bootstrap CIs")
     _add_config(p)

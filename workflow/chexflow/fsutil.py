@@ -60,3 +60,23 @@ def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def link_numbered(path: Path | str) -> Path:
+    """Give file ``path`` (created empty if missing) a second name, ``<stem>.<n><suffix>`` with the first
+    free ``n`` from 1, and return it. Both names are one file: what is written to ``path`` is also kept
+    under the numbered name, which survives a later removal of ``path`` (Snakemake deletes a job's
+    log before every attempt; this keeps one log per attempt). ``link`` is atomic, also on NFS: two
+    attempts at once get two numbers."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    stem, suffix = (path.stem, path.suffix) if path.suffix else (path.name, "")
+    n = 1
+    while True:
+        numbered = path.with_name(f"{stem}.{n}{suffix}")
+        try:
+            os.link(path, numbered)
+            return numbered
+        except FileExistsError:
+            n += 1

@@ -27,6 +27,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from chexflow.config import AugmentConfig
+from chexflow.data import workers as _workers
 from chexflow.fsutil import atomic_path
 
 
@@ -443,12 +444,14 @@ def _collate(batch):
 
 def make_loader(stream: ShardStream, *, batch_size: int, workers: int, pin_memory: bool) -> DataLoader:
     """Batches in a fixed order: torch's DataLoader asks its workers for batches in turn (skipping
-    exhausted ones) and returns them in the order asked, which :func:`plan_epoch` relies on."""
+    exhausted ones) and returns them in the order asked, which :func:`plan_epoch` relies on.
+    The worker processes leave SIGTERM/SIGUSR1/SIGINT to this process (chexflow.data.workers)."""
     if batch_size != stream.batch_size:
         raise ValueError(f"loader batch {batch_size} differs from the stream's planned batch {stream.batch_size}")
+    shielded = dict(multiprocessing_context=_workers.ShieldedForkContext(), worker_init_fn=_workers.shield_worker)
     return DataLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
                       pin_memory=pin_memory, drop_last=False, persistent_workers=False,
-                      prefetch_factor=4 if workers > 0 else None)
+                      prefetch_factor=4 if workers > 0 else None, **(shielded if workers > 0 else {}))
 
 
 # --------------------------------------------------------------------------- GPU-side augmentation
