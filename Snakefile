@@ -31,6 +31,10 @@ include: "rules/sweep.smk"
 include: "rules/ablation.smk"
 
 
+onstart:
+    refuse_orphaned_training()  # training left running by a killed Snakemake: name it, submit nothing
+
+
 rule all:
     input:
         "results/report/chexflow_report.html",

@@ -3,9 +3,12 @@ import json
 import os
 import sys
 
-from chexflow.config import DemoReleaseConfig, ShardConfig, from_dict
+from snakemake.exceptions import WorkflowError
+
+from chexflow.config import CheckpointConfig, DemoReleaseConfig, ShardConfig, from_dict
 from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
 from chexflow.studies import ablation as _ablation
+from chexflow.train import lease as _lease  # standard library only
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
 shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.executable)}"; ')
@@ -232,3 +235,17 @@ def report_study_args():
     """The matching `chexflow report` options (--scaling-csv PATH ...)."""
     inputs = report_study_inputs(None)
     return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in inputs.items())
+
+
+# ------------------------------------------------------------------ before anything is submitted
+def refuse_orphaned_training():
+    """`onstart`: a training job or process that outlived an earlier Snakemake of this directory (killed,
+    then `--unlock`) still holds its checkpoint directory; submitting the stage again would put a
+    second trainer into it. Stop before any job is submitted, naming it and what to do."""
+    stale_s = max(
+        from_dict(CheckpointConfig, config[stage].get("checkpoint") or {}).lease_stale_s
+        for stage in ("pretrain", "finetune")
+    )
+    found = _lease.live_holders("results", stale_s=stale_s)
+    if found:
+        raise WorkflowError(_lease.orphan_message(found))

@@ -1,7 +1,8 @@
 # Training: one multi-rank job. `resources.mpi` is the launcher: `chexflow launch` (local ranks
 # via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
 # Checkpoints go to <output dir>/checkpoints/, which is NOT a declared output, so a rerun after a
-# failure or preemption resumes from them. pretrain_model is the body that finetune_model and
+# failure or preemption resumes from them. Snakemake deletes the log before every attempt (a retry,
+# a requeued job's restart): `chexflow keep-log` keeps each attempt's as train.<n>.log too. pretrain_model is the body that finetune_model and
 # finetune_ablation share through `use rule ... with:` (sweep_trial and scale_pretrain run other
 # commands, which `use rule` cannot change, with the same helpers).
 
@@ -33,7 +34,7 @@ rule pretrain_model:
         out_dir=output_dir,
         tensorboard="logs/pretrain/tensorboard",
     shell:
-        "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
+        "chexflow keep-log {log} && CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"
         " chexflow train --config-json {params.cfg:q} --manifest {input.manifest} {params.pretrained}"
         " --out-dir {params.out_dir} --ckpt-dir {params.out_dir}/checkpoints"
         " --tensorboard {params.tensorboard} > {log} 2>&1"

@@ -29,7 +29,7 @@ rule sweep_trial:
         pretrained=pretrained_arg,
         out_dir=output_dir,
     shell:
-        "chexflow sweep-trial --config-json {params.cfg:q} --params-json {params.trial:q}"
+        "chexflow keep-log {log} && chexflow sweep-trial --config-json {params.cfg:q} --params-json {params.trial:q}"
         " --trial {wildcards.trial} --launcher {resources.mpi:q} -n {resources.tasks}"
         " --manifest {input.manifest} {params.pretrained}"
         " --out-dir {params.out_dir} > {log} 2>&1"

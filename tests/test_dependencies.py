@@ -304,8 +304,9 @@ ENVS = sorted({env for env, _ in RULES.values() if env is not None})
 
 def test_rules_are_found():
     assert {"pretrain_model", "finetune_model", "evaluate_model", "render_report", "write_shards"} <= set(RULES)
-    assert RULES["pretrain_model"][1] == {"train", "launch"}
-    assert RULES["sweep_trial"][1] == {"sweep-trial", "launch"}
+    # keep-log: each attempt's log kept under a numbered name (issue 18)
+    assert RULES["pretrain_model"][1] == {"keep-log", "train", "launch"}
+    assert RULES["sweep_trial"][1] == {"keep-log", "sweep-trial", "launch"}
     assert command_imports("train") <= command_imports("sweep-trial")   # a trial runs `chexflow train`
 
 

@@ -80,6 +80,18 @@ class CheckpointConfig:
     # resume weights/optimizer/epoch, map the position in the epoch by samples seen and recompute
     # the LR schedule for the new world (logged; that epoch's data order is no longer exact)
     on_world_change: Literal["refuse", "remap"] = "refuse"
+    # one trainer at a time per checkpoint directory (a lease file, chexflow.train.lease): a second one
+    # waits this long for the holder to end, then stops naming it (a Snakemake retry tries again)
+    lease_wait_s: int = 120
+    # a holder on another host that neither its host's process table nor SLURM can vouch for is
+    # presumed dead after this long without a heartbeat (it renews every lease_stale_s / 10)
+    lease_stale_s: int = 600
+
+    def __post_init__(self) -> None:
+        if self.lease_wait_s < 0:
+            raise ConfigError(f"checkpoint.lease_wait_s: must be >= 0 seconds, got {self.lease_wait_s}")
+        if self.lease_stale_s < 10:
+            raise ConfigError(f"checkpoint.lease_stale_s: must be >= 10 seconds, got {self.lease_stale_s}")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from chexflow.config import ConfigError, SweepConfig, TrainConfig, from_dict, to_dict, write_yaml_atomic
 from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.train.lease import EXIT_LEASE_HELD
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -38,7 +39,8 @@ LOG_UNIFORM = {"optim.lr", "optim.weight_decay"}   # between min and max of the 
 CHOICE = {"batch_size", "freeze"}                   # one of the listed values
 # any other key (model.dropout): uniform between min and max of the list
 DIVERGED_MARKER = "diverged.json"                   # written by the trainer when the loss is NaN/inf
-INFRASTRUCTURE_EXITS = {143, 137, 130, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT}
+# preempted / killed / another trainer holds the trial's checkpoint directory: not the trial's outcome
+INFRASTRUCTURE_EXITS = {143, 137, 130, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT, EXIT_LEASE_HELD}
 
 
 class SweepError(ConfigError):

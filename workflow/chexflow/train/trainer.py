@@ -31,6 +31,7 @@ from chexflow.config import TrainConfig, to_dict, write_yaml_atomic
 from chexflow.evaluate import metrics as M
 from chexflow.fsutil import sha256_file, write_text_atomic
 from chexflow.train import checkpoint as ckpt
+from chexflow.train import lease, signals
 from chexflow.train.backends import Backend, backend_for, gather_arrays
 from chexflow.train.inputs import TrainData, stage_on_node
 from chexflow.train.losses import task_loss
@@ -39,6 +40,7 @@ from chexflow.train.schedule import build_optimizer, make_scheduler, scaled_lr, 
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
 EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
+EXIT_LEASE_HELD = lease.EXIT_LEASE_HELD   # another trainer holds the checkpoint directory
 
 
 @dataclass(frozen=True)
@@ -52,18 +54,6 @@ class TrainPaths:
 
 def _mix(*xs: int) -> int:
     return int(np.random.SeedSequence([int(x) for x in xs]).generate_state(1)[0])
-
-
-class _Signals:
-    """Remembers SIGTERM/SIGUSR1/SIGINT; the loop acts on them at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.received = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.received = max(self.received, int(signum))
 
 
 def _log(backend: Backend, msg: str) -> None:
@@ -115,7 +105,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, paths: TrainPaths, backend: Backend,
                  device: torch.device | None = None) -> None:
         self.cfg, self.paths, self.backend = cfg, paths, backend
-        self.signals = _Signals()
+        # SIGTERM/SIGUSR1/SIGINT, caught since `chexflow train` started (chexflow.train.signals); the loop
+        # acts on them at the next check, and at the first step for what arrived before training began
+        self.signals = signals.install()
+        self.first_check_step = 1
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
@@ -255,6 +248,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
+        """Train to the end (or the stop a signal asks for) holding the checkpoint directory's lease."""
+        with self._checkpoint_lease() as held:
+            return self._fit() if held else EXIT_LEASE_HELD
+
+    @contextlib.contextmanager
+    def _checkpoint_lease(self):
+        """Rank 0 holds the checkpoint directory for the run (chexflow.train.lease); every rank learns
+        whether it does, so that all train or all stop."""
+        held, refusal = None, None
+        if self.backend.is_root:
+            try:
+                held = lease.acquire(self.paths.ckpt_dir, wait_s=self.cfg.checkpoint.lease_wait_s,
+                                     stale_s=self.cfg.checkpoint.lease_stale_s, log=lambda m: _log(self.backend, m))
+            except lease.LeaseHeld as exc:
+                refusal = str(exc)
+        refusal = self.backend.broadcast_object(refusal)
+        if refusal:
+            _log(self.backend, refusal)
+        try:
+            yield refusal is None
+        finally:
+            if held is not None:
+                held.release()
+
+    def _fit(self) -> int:
         cfg, backend = self.cfg, self.backend
         if cfg.data.stage_to:
             self.data = stage_on_node(self.data, dest=cfg.data.stage_to, local_rank=backend.local_rank,
@@ -263,6 +281,7 @@ class Trainer:
                           f"{cfg.data.stage_to}")
         model, opt, sched = self._build()
         prog = self._restore(model, opt, sched)
+        self.first_check_step = prog.step + 1     # a signal received before training is honoured here
         model, opt = self._prepare(model, opt)
         _log(backend, f"{cfg.stage}: world {backend.size} ({backend.name}), per-rank batch {cfg.batch_size}"
                       f"{f' x {self.bpps} backward passes' if self.bpps > 1 else ''}, global batch "
@@ -333,7 +352,8 @@ class Trainer:
             bar.update(1)
             periodic = cfg.checkpoint.every_steps > 0 and prog.step % cfg.checkpoint.every_steps == 0
             last = prog.in_epoch == self.steps_per_epoch or prog.step == self.total_steps
-            if not (periodic or last or prog.step % max(cfg.check_every_steps, 1) == 0):
+            first = prog.step == self.first_check_step
+            if not (periodic or last or first or prog.step % max(cfg.check_every_steps, 1) == 0):
                 continue
             sig, bad = self._agree(nonfinite)             # the host sync, every check_every_steps steps
             if writer is not None:
