@@ -4,7 +4,8 @@
 #   (Horovod's MPI ops for `srun --mpi=pmix`), and with --test: Chromium (report rendering
 #   test) and procps; the local SLURM test cluster installs its own packages;
 #   .venv with envs/requirements.txt: the pinned packages and chexflow itself (editable) with every
-#   group of pyproject.toml (the one list of what chexflow needs), and Horovod 0.28.1 built against
+#   group of pyproject.toml (the one list of what chexflow needs), the SLURM executor plugin patched
+#   for its node-failure bug (python -m chexflow.install.slurm_plugin), and Horovod 0.28.1 built against
 #   the installed torch (python -m chexflow.install.horovod, cached wheel under
 #   ~/.cache/chexflow/wheels).
 #
@@ -55,6 +56,9 @@ if [ "${CHEXFLOW_SKIP_TORCH:-0}" = 1 ]; then
 else
   .venv/bin/pip install -q -r envs/requirements.txt
 fi
+
+say "snakemake-executor-plugin-slurm: the node-failure fix (envs/patches/slurm-plugin-node-fail.md)"
+.venv/bin/python -m chexflow.install.slurm_plugin
 
 say "Horovod (built once against this torch, then taken from the wheel cache)"
 .venv/bin/python -m chexflow.install.horovod
