@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import cli_env
+
 # starting the local cluster takes ~40 s: the whole module is in the slow tier
 pytestmark = pytest.mark.slow
 
@@ -301,3 +303,90 @@ def test_production_profile_resolves_resources(tmp_path: Path) -> None:
     assert "gpu_model" not in pre and "constraint" not in pre  # null site values: not passed
     assert "slurm_partition=cpu" in resources["gather_shards"]
     assert "cpus_per_task=8" in resources["write_shards"]  # set-threads 8 -> cpus_per_task
+
+
+def _dry_run_resources(tmp_path: Path, *args: str) -> dict[str, str]:
+    """Each rule's resources in a dry run of the tiny workflow with the production profile and ``args``."""
+    tmp_path.mkdir()
+    snakefile = _write_workflow(tmp_path)
+    proc = _run([sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--profile", str(PROFILE),
+                 *args, "--workflow-profile", "none", "--dry-run", "--executor", "local", "--cores", "8"],
+                env=cli_env(), cwd=tmp_path, timeout=120)       # the overlay imports this checkout's chexflow
+    out = _checked(proc) + proc.stderr
+    return dict(re.findall(r"rule (\w+):\n(?:.*\n)*?\s+resources: (.*)", out))
+
+
+def test_overlay_profile_changes_one_rule_resource_and_keeps_the_rest(tmp_path: Path) -> None:
+    """Issue 18.5: `--set-resources pretrain_model:runtime=1` replaces the profile's whole
+    set-resources (pretraining then runs on the CPU partition, one task, no warning signal);
+    profiles/slurm-overrides merges instead: its one `changes:` line changes one key of one rule."""
+    intact = ("slurm_partition=gpu", "nodes=2", "tasks=8", "gpu=8", "cpus_per_task=8", "mem_mb_per_cpu=4000",
+              "mpi=srun --mpi=pmix", "slurm_extra=--signal=USR1@300")
+    cli = _dry_run_resources(tmp_path / "cli", "--set-resources", "pretrain_model:runtime=1")
+    assert "runtime=1," in cli["pretrain_model"]
+    assert not any(item in cli["pretrain_model"] for item in intact), cli["pretrain_model"]   # Snakemake's way
+
+    overlay = tmp_path / "my-overrides"
+    overlay.mkdir()
+    text = (REPO / "profiles/slurm-overrides/config.yaml").read_text()
+    line = "    pretrain_model: {runtime: 1440}"
+    assert text.count(line) == 1
+    (overlay / "config.yaml").write_text(text.replace(line, "    pretrain_model: {runtime: 1}"))
+    merged = _dry_run_resources(tmp_path / "overlay", "--profile", str(overlay))
+    assert "runtime=1," in merged["pretrain_model"], merged["pretrain_model"]
+    for item in intact:
+        assert item in merged["pretrain_model"], f"{item} lost: {merged['pretrain_model']}"
+    reference = _dry_run_resources(tmp_path / "reference")
+    items = {rule: set(text.split(", ")) for rule, text in merged.items()}
+    for rule in ("finetune_model", "gather_shards", "write_shards"):
+        assert items[rule] == set(reference[rule].split(", ")), rule
+    assert items["pretrain_model"] == set(reference["pretrain_model"].replace("runtime=1440", "runtime=1").split(", "))
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_node_failure_of_a_requeued_job_excludes_the_failed_node_not_none_assigned(slurm_cluster: Cluster,
+                                                                                   tmp_path: Path) -> None:
+    """Issue 18.3 at the plugin's level: a 2-node job with --requeue, one node set down. By the time
+    snakemake-executor-plugin-slurm 2.8.0 asks `sacct -X` for the failed job's nodes, SLURM has
+    requeued it and the answer is "None assigned", which the plugin put into every later sbatch as
+    `--exclude=None assigned`. The patched lookup (chexflow.install.slurm_plugin) reads the failed
+    run's row (`sacct -D`) and excludes exactly the node SLURM reports unusable."""
+    from chexflow.install import slurm_plugin
+    import snakemake_executor_plugin_slurm as plugin
+    env = slurm_cluster.env
+    (tmp_path / "job.sh").write_text("#!/bin/bash\nsrun -n 2 sleep 300\n")
+    job = _checked(_run(["sbatch", "--parsable", "--requeue", "-p", "gpu", "-N", "2", "-n", "2", "--mem-per-cpu=100",
+                         "-t", "5", f"--output={tmp_path / 'job.out'}", str(tmp_path / "job.sh")], env=env)).strip()
+    victim = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            nodes = _checked(_run(["squeue", "-h", "-j", job, "-t", "RUNNING", "-o", "%N"], env=env)).strip()
+            if nodes:
+                break
+            time.sleep(0.5)
+        assert nodes, f"job {job} never ran"
+        victim = _checked(_run(["scontrol", "show", "hostnames", nodes], env=env)).split()[-1]
+        _checked(_run(["scontrol", "update", f"nodename={victim}", "state=down", "reason=chexflow test"], env=env))
+        query = slurm_plugin.ORIGINAL.split('f"', 1)[1].split('"', 1)[0].replace("{j.external_jobid}", job)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:      # the plugin's own query, once SLURM has requeued the job
+            seen = _checked(_run(query.split(), env=env)).strip()
+            if seen == "None assigned":
+                break
+            time.sleep(0.5)
+        assert seen == "None assigned", f"2.8.0's query answered {seen!r}"
+        # the node stays unusable (drained) while the patched lookup runs; SLURM let it back in before
+        _checked(_run(["scontrol", "update", f"nodename={victim}", "state=drain", "reason=chexflow test"], env=env))
+        assert plugin._chexflow_failed_nodes(job) == {victim}
+        _checked(_run(["scontrol", "update", f"nodename={victim}", "state=resume"], env=env))
+        victim = None
+        deadline = time.monotonic() + 60       # (it answers SLURM's ping again within seconds)
+        while plugin._chexflow_failed_nodes(job) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert plugin._chexflow_failed_nodes(job) == set(), "a node back in service is not excluded"
+    finally:
+        _run(["scancel", job], env=env)
+        if victim:
+            _run(["scontrol", "update", f"nodename={victim}", "state=resume"], env=env)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, cli_env, horovod_available, module_scratch
+from conftest import REPO, checkpoint_step, cli_env, horovod_available, module_scratch
 from test_slurm_cluster import CI_OVERLAY, PROFILE, _sacct_rows, slurm_cluster  # noqa: F401
 from test_workflow import tiny_config
 
@@ -88,6 +88,8 @@ def test_demo_on_slurm_every_rule_a_job_on_its_partition(slurm_demo):
     assert hist and all(h["world_size"] == 2 for h in hist)
     plog = (work / "logs/pretrain/train.log").read_text()
     assert "world 2 (horovod)" in plog
+    assert [p.name for p in _attempt_logs(work, "pretrain")] == ["train.1.log"]     # one attempt, kept
+    assert (work / "logs/pretrain/train.1.log").read_text() == plog
 
 
 def test_rerun_after_a_failure_redoes_only_what_failed(slurm_demo):
@@ -115,31 +117,60 @@ def test_rerun_after_a_failure_redoes_only_what_failed(slurm_demo):
     assert (work / "results/pretrain/model.pt").stat().st_mtime_ns == pre_mtime
 
 
-def _finetune_job(env) -> str | None:
+def _running_job(env, rule: str) -> str | None:
+    """The SLURM id of the running job of ``rule`` (the plugin's comment rule_<name>)."""
     out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %k"], env=env, capture_output=True,
                          text=True).stdout
-    return next((line.split()[0] for line in out.splitlines() if "rule_finetune_model" in line), None)
+    return next((line.split()[0] for line in out.splitlines() if f"rule_{rule}" in line), None)
+
+
+def _start_snakemake(cluster, work: Path, cfgfile: Path, *args: str, overlay: Path | None = None):
+    """Snakemake in the background (its log: snakemake-<n>.log). ``overlay``: a profile applied after the
+    CI overlay (production, CI overlay, this one: each replaces the keys it names)."""
+    cmd, env = snakemake_slurm_cmd(cluster, work, cfgfile, *args)
+    if overlay is not None:
+        at = cmd.index("--workflow-profile")
+        cmd[at:at + 2] = ["--profile", str(CI_OVERLAY), "--workflow-profile", str(overlay)]
+    log = work / f"snakemake-{len(list(work.glob('snakemake-*.log')))}.log"
+    # SIGINT back to its default for Snakemake: a test run started in the background of a
+    # non-interactive shell (`nohup ... &`) ignores SIGINT, its children inherit that, and the
+    # Ctrl-C of the cancellation test would never reach Snakemake (it waited forever, twice)
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return proc, log
+
+
+def _job_mid_training(cluster, work: Path, proc, log: Path, rule: str, stage: str, t0: float,
+                      min_step: int = 1) -> str:
+    """Wait until ``rule``'s job runs and has written a checkpoint at ``min_step`` or later (after ``t0``)."""
+    ckdir, job = work / f"results/{stage}/checkpoints", None
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        job = job or _running_job(cluster.env, rule)
+        fresh = [p for p in ckdir.glob("step-*.pt") if p.stat().st_mtime > t0]
+        if job and fresh and max(checkpoint_step(p) for p in fresh) >= min_step:
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"{rule} finished or failed before it could be interrupted:\n" + log.read_text()[-4000:])
+
+
+def _start_requeued_now(env, job: str) -> None:
+    """SLURM holds a requeued batch job ~2 min (BeginTime); let it start as soon as it is pending."""
+    for _ in range(120):
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env, capture_output=True,
+                               text=True).stdout
+        if "BeginTime" in state:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            return
+        time.sleep(0.5)
 
 
 def _interrupt_finetune_mid_run(cluster, work: Path, cfg: dict, cfgfile: Path, action: list[str]):
     """Start the workflow with a longer fine-tuning, wait for a fresh checkpoint, then `action` the job."""
     cfgfile.write_text(yaml.safe_dump(cfg))
-    cmd, env = snakemake_slurm_cmd(cluster, work, cfgfile, FINETUNE_ONLY)
-    log = open(work / f"snakemake-{len(list(work.glob('snakemake-*.log')))}.log", "w")
     t0 = time.time()
-    # SIGINT back to its default for Snakemake: a test run started in the background of a
-    # non-interactive shell (`nohup ... &`) ignores SIGINT, its children inherit that, and the
-    # Ctrl-C of the cancellation test would never reach Snakemake (it waited forever, twice)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    ckdir, job = work / "results/finetune/checkpoints", None
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        job = job or _finetune_job(cluster.env)
-        if job and any(p.stat().st_mtime > t0 for p in ckdir.glob("step-*.pt")):
-            break
-        time.sleep(0.5)
-    assert job and proc.poll() is None, "fine-tuning finished or failed before it could be interrupted"
+    proc, log = _start_snakemake(cluster, work, cfgfile, FINETUNE_ONLY)
+    job = _job_mid_training(cluster, work, proc, log, "finetune_model", "finetune", t0)
     subprocess.run([*action, job], env=cluster.env, check=True)
     return proc, job
 
@@ -148,25 +179,60 @@ def _resumed_from(train_log: Path) -> list[int]:
     return [int(n) for n in re.findall(r"resuming from \S+ at step (\d+)", train_log.read_text())]
 
 
+def _attempt_logs(work: Path, stage: str) -> list[Path]:
+    """logs/<stage>/train.<n>.log, one per attempt (chexflow keep-log), in attempt order."""
+    logs = (work / "logs" / stage).glob("train.*.log")
+    return sorted(logs, key=lambda p: int(p.name.split(".")[1]))
+
+
+def _last_step(text: str, steps_per_epoch: int) -> int:
+    """The furthest step an attempt's log shows: its checkpoints and its progress bar (every 5 s)."""
+    steps = [int(n) for n in re.findall(r"\(step (\d+)\)", text)]
+    steps += [(int(e) - 1) * steps_per_epoch + int(k) for e, k in re.findall(r"epoch (\d+)/\d+: +\d+%\|[^|]*\| *(\d+)/",
+                                                                          text)]
+    return max(steps, default=0)
+
+
+def _steps_lost(scenario: str, interrupted: Path, resumed: Path, steps_per_epoch: int) -> int:
+    """Steps trained by the interrupted attempt that the next one trains again (for BENCHMARKS.md)."""
+    reached = _last_step(interrupted.read_text(), steps_per_epoch)
+    resume = _resumed_from(resumed)[0]
+    print(f"STEPS LOST {scenario}: interrupted attempt reached step {reached}, resumed at {resume}, "
+          f"lost {reached - resume}")
+    return reached - resume
+
+
+def _signal_step(text: str, name: str) -> int | None:
+    found = re.findall(rf"{name} received: checkpoint written at step (\d+)", text)
+    return int(found[-1]) if found else None
+
+
+def _steps_per_epoch(text: str) -> int:
+    return int(re.search(r"(\d+) steps/epoch", text).group(1))
+
+
 def test_requeued_training_job_resumes_from_its_checkpoint(slurm_demo):
-    """`scontrol requeue` (what preemption does): SIGTERM -> checkpoint; the job restarts and resumes."""
+    """`scontrol requeue` (what preemption does): SIGTERM to every process of the job, loader workers
+    included (on by default); the trainer's checkpoint is the step the requeued run resumes at
+    (issue 18.1: the workers died first, the trainer crashed, 17 steps lost), each run its own log."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
     longer = json.loads(json.dumps(cfg))
     longer["finetune"]["epochs"] = 4
     longer["finetune"]["checkpoint"]["every_steps"] = 5
+    longer["finetune"]["check_every_steps"] = 2         # the signal acted on within KillWait on a loaded machine
+    assert longer["finetune"]["data"]["workers"] >= 1, "the scenario needs loader workers (the default)"
+    before = len(_attempt_logs(work, "finetune"))
     proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scontrol", "requeue"])
-    # SLURM holds a requeued batch job ~2 min (EligibleTime); let it start as soon as it is pending
-    for _ in range(60):
-        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=cluster.env, capture_output=True,
-                               text=True).stdout
-        if "BeginTime" in state:
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env)
-            break
-        time.sleep(0.5)
+    _start_requeued_now(cluster.env, job)
     assert proc.wait(timeout=900) == 0, (work / "logs/finetune/train.log").read_text()[-4000:]
-    train_log = work / "logs/finetune/train.log"
-    steps = _resumed_from(train_log)
-    assert len(steps) == 1 and steps[0] > 0, train_log.read_text()[-4000:]
+    attempts = _attempt_logs(work, "finetune")[before:]
+    assert len(attempts) == 2, attempts
+    first, second = (p.read_text() for p in attempts)
+    assert "killed by signal" not in first and "HorovodInternalError" not in first, first[-4000:]
+    step = _signal_step(first, "SIGTERM")
+    assert step and _resumed_from(attempts[1]) == [step], (first[-3000:], second[-3000:])
+    assert second == (work / "logs/finetune/train.log").read_text()
+    _steps_lost("requeue during fine-tuning", attempts[0], attempts[1], _steps_per_epoch(first))
     hist = [json.loads(x) for x in (work / "results/finetune/metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in hist] == [1, 2, 3, 4]
     restarts = subprocess.run(["scontrol", "show", "job", job], env=cluster.env, capture_output=True,
@@ -201,3 +267,163 @@ def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
     assert len(steps) == 1 and steps[0] > 0
     hist = [json.loads(x) for x in (work / "results/finetune/metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in hist] == [1, 2, 3, 4, 5]
+
+
+# ------------------------------------------------------------------ pretraining faults (issue 18)
+# Each scenario pretrains afresh (another seed: another run id) with checks every 2 steps, so a
+# signal is acted on well within the test cluster's KillWait (5 s) even on a loaded machine.
+
+def _pretrain_variant(cfg: dict, seed: int, epochs: int) -> dict:
+    out = json.loads(json.dumps(cfg))
+    pre = out["pretrain"]
+    pre.update(seed=seed, epochs=epochs, check_every_steps=2)
+    pre["checkpoint"].update(every_steps=5, lease_wait_s=5)
+    return out
+
+
+def _newest_attempt_shows(work: Path, stage: str, pattern: str, proc, timeout: float = 180) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        text = _attempt_logs(work, stage)[-1].read_text()
+        if re.search(pattern, text):
+            return text
+        time.sleep(0.5)
+    newest = _attempt_logs(work, stage)[-1].read_text()
+    raise AssertionError(f"no {pattern!r} in the newest {stage} log:\n" + newest[-4000:])
+
+
+def test_time_limit_during_pretraining_checkpoints_and_the_retry_resumes(slurm_demo, tmp_path):
+    """A real TIMEOUT of 2-node pretraining with loader workers (issue 18.1: a worker died first, the
+    rank crashed, no checkpoint), after a time limit shorter than the 300 s warning (issue 18.2:
+    SLURM's USR1 "at once" killed both ranks). The job's end is moved while it runs (`scontrol
+    update EndTime=...`: SLURM's own warning and TIMEOUT at its next checks, whatever the machine's
+    speed): first 4 minutes ahead (USR1: checkpoint, go on), then to now (TIMEOUT: SIGTERM). The
+    retry (--retries 1) resumes at the SIGTERM checkpoint. The time limits come from a merging
+    overlay profile, one line (issue 18.5)."""
+    cluster, work, cfg, cfgfile, _ = slurm_demo
+    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=11, epochs=24)))
+    overlay = tmp_path / "limits"
+    overlay.mkdir()
+    (overlay / "config.yaml").write_text(
+        "__use_yte__: true\n__definitions__:\n  - from chexflow.profiles import set_resources\n"
+        "__variables__:\n  changes:\n    pretrain_model: {runtime: '9 if attempt == 1 else 10'}\n"
+        f"set-resources: ?set_resources({str(CI_OVERLAY)!r}, changes)\n")
+    before = len(_attempt_logs(work, "pretrain"))
+    t0 = time.time()
+    proc, log = _start_snakemake(cluster, work, cfgfile, "results/pretrain/model.pt", "--retries", "1", "--verbose",
+                                 overlay=overlay)
+    job = _job_mid_training(cluster, work, proc, log, "pretrain_model", "pretrain", t0)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now+4minutes"], env=cluster.env, check=True)
+    _newest_attempt_shows(work, "pretrain", r"SIGUSR1 received: checkpoint written at step \d+; continuing", proc)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now"], env=cluster.env, check=True)
+    assert proc.wait(timeout=1200) == 0, log.read_text()[-6000:]
+    sbatch = [line for line in log.read_text().splitlines() if "sbatch call:" in line]
+    assert [bool(re.search(r" -t 9 ", sbatch[0])), bool(re.search(r" -t 10 ", sbatch[1]))] == [True, True], sbatch
+    state = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], env=cluster.env,
+                           capture_output=True, text=True).stdout.split()
+    assert state == ["TIMEOUT"], state
+    attempts = _attempt_logs(work, "pretrain")[before:]
+    assert len(attempts) == 2, attempts
+    first = attempts[0].read_text()
+    assert "User defined signal" not in first and "killed by signal" not in first, first[-4000:]
+    step = _signal_step(first, "SIGTERM")
+    assert step and step > _signal_step(first, "SIGUSR1") and _resumed_from(attempts[1]) == [step], first[-4000:]
+    _steps_lost("time limit during pretraining", attempts[0], attempts[1], _steps_per_epoch(first))
+    hist = [json.loads(x) for x in (work / "results/pretrain/metrics.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in hist] == list(range(1, 25)) and all(h["world_size"] == 2 for h in hist)
+
+
+def test_node_failure_during_pretraining_runs_through_to_the_report(slurm_demo):
+    """`scontrol update nodename=<node> state=down` under 2-node pretraining (issue 18.3): SLURM
+    requeues the job, it resumes and finishes; the plugin (patched by envs/setup.sh) then submits
+    fine-tuning, evaluation and the report normally instead of `--exclude=None assigned`."""
+    cluster, work, cfg, cfgfile, _ = slurm_demo
+    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=12, epochs=6)))
+    before = len(_attempt_logs(work, "pretrain"))
+    report = work / "results/report/chexflow_report.html"
+    report_mtime = report.stat().st_mtime
+    t0 = time.time()
+    proc, log = _start_snakemake(cluster, work, cfgfile)
+    job = _job_mid_training(cluster, work, proc, log, "pretrain_model", "pretrain", t0, min_step=5)
+    nodes = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], env=cluster.env, capture_output=True,
+                           text=True).stdout.strip()
+    victim = subprocess.run(["scontrol", "show", "hostnames", nodes], env=cluster.env, capture_output=True,
+                            text=True).stdout.split()[-1]
+    try:
+        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=down", "reason=chexflow test"],
+                       env=cluster.env, check=True)
+        _start_requeued_now(cluster.env, job)
+        assert proc.wait(timeout=1500) == 0, log.read_text()[-6000:]
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], env=cluster.env)
+    text = log.read_text()
+    assert "None assigned" not in text, text[-6000:]
+    assert report.stat().st_mtime > report_mtime
+    rows = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], env=cluster.env,
+                          capture_output=True, text=True).stdout.split()
+    assert rows[0] == "NODE_FAIL" and rows[-1] == "COMPLETED", rows
+    attempts = _attempt_logs(work, "pretrain")[before:]
+    assert len(attempts) == 2, attempts
+    _steps_lost("node failure during pretraining", attempts[0], attempts[1],
+                _steps_per_epoch(attempts[0].read_text()))
+    hist = [json.loads(x) for x in (work / "results/pretrain/metrics.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in hist] == list(range(1, 7))
+
+
+def test_killed_snakemake_then_rerun_names_the_orphaned_job_and_never_doubles_it(slurm_demo):
+    """kill -9 of Snakemake while pretraining runs, then what a user does: the same command (told to
+    `--unlock`), again. Was: a second 2-node pretraining job trained into the same checkpoint directory
+    (issue 18.4). Now the rerun names the running job and what to `scancel`, submitting nothing;
+    a job submitted anyway (hooks off) finds the lease held and stops naming the holder; after the
+    advice is followed the rerun resumes; every attempt's log is kept. The orphan is suspended
+    while the reruns run (it stays a live job, whatever the machine's speed)."""
+    cluster, work, cfg, cfgfile, _ = slurm_demo
+    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=13, epochs=6)))
+    target = "results/pretrain/model.pt"
+    before = len(_attempt_logs(work, "pretrain"))
+    t0 = time.time()
+    proc, log = _start_snakemake(cluster, work, cfgfile, target)
+    orphan = _job_mid_training(cluster, work, proc, log, "pretrain_model", "pretrain", t0)
+    proc.kill()                                             # kill -9: its job keeps running
+    proc.wait()
+    env = cluster.env
+    subprocess.run(["scontrol", "suspend", orphan], env=env, check=True)
+    try:
+        locked = snakemake_slurm(cluster, work, cfgfile, target)
+        assert locked.returncode != 0 and "--unlock" in locked.stdout + locked.stderr
+        unlock = snakemake_slurm(cluster, work, cfgfile, target, "--unlock")
+        assert unlock.returncode == 0, unlock.stderr[-3000:]
+        rerun = snakemake_slurm(cluster, work, cfgfile, target, "--verbose")
+        out = rerun.stdout + rerun.stderr
+        assert rerun.returncode != 0, out[-4000:]
+        assert f"results/pretrain/checkpoints: SLURM job {orphan}, host" in out, out[-4000:]
+        assert f"`scancel {orphan}`" in out, out[-4000:]
+        assert "sbatch call" not in out, "the rerun submitted a job"
+        # submitted anyway (a Snakemake without the check: hooks off): its trainer finds the lease
+        anyway = snakemake_slurm(cluster, work, cfgfile, target, "--no-hooks")
+        assert anyway.returncode != 0
+        refused = _attempt_logs(work, "pretrain")[-1].read_text()
+        assert f"in use by another trainer (SLURM job {orphan}, host" in refused, refused[-4000:]
+        assert "Two trainers must not write one checkpoint directory" in refused
+        assert "resuming from" not in refused and "checkpoint results" not in refused, refused[-4000:]
+    finally:
+        subprocess.run(["scontrol", "resume", orphan], env=env)
+    subprocess.run(["scancel", orphan], env=env, check=True)          # the advice, followed
+    deadline = time.time() + 120
+    while time.time() < deadline and subprocess.run(["squeue", "-h", "-j", orphan], env=env, capture_output=True,
+                                                    text=True).stdout.strip():
+        time.sleep(1)
+    final = snakemake_slurm(cluster, work, cfgfile, target)
+    assert final.returncode == 0, (final.stdout + final.stderr)[-6000:]
+    attempts = _attempt_logs(work, "pretrain")[before:]
+    assert len(attempts) == 3, attempts                  # the orphan, the refused one, the resumed one
+    orphan_log = attempts[0].read_text()
+    assert "pretrain: world 2" in orphan_log            # the first job's log is kept
+    step = _signal_step(orphan_log, "SIGTERM")          # scancel: SIGTERM, then the checkpoint
+    assert step and _resumed_from(attempts[2]) == [step], (orphan_log[-3000:], attempts[2].read_text()[-3000:])
+    _steps_lost("scancel of the orphaned pretraining job", attempts[0], attempts[2], _steps_per_epoch(orphan_log))
+    jobs = subprocess.run(["sacct", "-X", "-n", "-P", "-S", time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
+                           "-o", "JobID,Comment"], env=env, capture_output=True, text=True).stdout.splitlines()
+    pretrain_jobs = [j for j in jobs if j.endswith("|rule_pretrain_model")]
+    assert len(pretrain_jobs) == 3, pretrain_jobs       # the orphan, the hooks-off one, the resumed one
+    assert not (work / "results/pretrain/checkpoints/lease.json").exists()

@@ -210,7 +210,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=500
 GresTypes=gpu
-KillWait=5
+# SLURM's default: between SIGTERM and SIGKILL a trainer finishes its step, agrees with its peers and
+# writes its checkpoint (5 s lost it on a loaded CI machine, ~3 s per step; issue 18)
+KillWait=30
 InactiveLimit=0
 MinJobAge=300
 SlurmctldTimeout=60

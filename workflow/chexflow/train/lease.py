@@ -18,7 +18,8 @@ and the takeover logged; the holder is dead when
 
 The workflow asks the same question before it submits anything (:func:`live_holders`, the
 Snakefile's ``onstart``), so a rerun names the orphaned job and what to ``scancel`` instead of
-starting a second one. Only the standard library is imported here: the Snakefile imports it.
+starting a second one (the SLURM executor plugin does not know a dead controller's jobs:
+snakemake-executor-plugin-slurm#109 asks for that). Only the standard library is imported here: the Snakefile imports it.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class Holder:
 
     def describe(self) -> str:
         job = f"SLURM job {self.slurm_job_id}, " if self.slurm_job_id else ""
-        return f"{job}host {self.host}, pid {self.pid}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"{job}host {self.host}, pid {self.pid}, since {since}"
 
 
 def _started(pid: int) -> float | None:
