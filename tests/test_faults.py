@@ -142,7 +142,7 @@ time.sleep(600)
 """
 
 
-def hold(ckpt_dir: Path, tmp_path: Path) -> subprocess.Popen:
+def hold(ckpt_dir: Path) -> subprocess.Popen:
     """Another process holding ``ckpt_dir``'s lease (the real lease code), until killed."""
     proc = subprocess.Popen([sys.executable, "-c", HOLD_PY, str(ckpt_dir)], env=cli_env(), stdout=subprocess.PIPE,
                             text=True)
@@ -152,7 +152,7 @@ def hold(ckpt_dir: Path, tmp_path: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_second_trainer_is_refused_naming_the_holder_then_takes_over_when_it_died(demo_manifest, tmp_path):
-    holder = hold(tmp_path / "ckpt", tmp_path)
+    holder = hold(tmp_path / "ckpt")
     try:
         cmd = train_cmd(demo_manifest, tmp_path, epochs=1, batch_size=8)
         refused = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
@@ -174,7 +174,7 @@ def test_second_trainer_is_refused_naming_the_holder_then_takes_over_when_it_die
 
 
 def test_lease_waits_for_a_holder_that_ends(tmp_path):
-    holder = hold(tmp_path, tmp_path)
+    holder = hold(tmp_path)
     logged = []
     t0 = time.monotonic()
     killer = subprocess.Popen(["sh", "-c", f"sleep 1; kill {holder.pid}"])

@@ -19,7 +19,8 @@ and the takeover logged; the holder is dead when
 The workflow asks the same question before it submits anything (:func:`live_holders`, the
 Snakefile's ``onstart``), so a rerun names the orphaned job and what to ``scancel`` instead of
 starting a second one (the SLURM executor plugin does not know a dead controller's jobs:
-snakemake-executor-plugin-slurm#109 asks for that). Only the standard library is imported here: the Snakefile imports it.
+snakemake-executor-plugin-slurm#109 asks for that). Only the standard library is imported here
+(psutil if present): the Snakefile imports this module.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 LEASE_NAME = "lease.json"
-EXIT_LEASE_HELD = 4         # another trainer holds the checkpoint directory (or took it over from this one)
+EXIT_LEASE_HELD = 5   # another trainer holds the checkpoint directory (or took it over); 3, 4: trainer.py
 MAX_BYTES = 64 * 1024       # a lease is a few hundred bytes; anything larger is not one
 # squeue states in which the processes of a job may still run (and write)
 SLURM_LIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT",
