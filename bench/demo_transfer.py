@@ -63,7 +63,8 @@ def run(cmd: list[str], log: Path, env: dict) -> None:
 
 def build(work: Path, name: str, dataset: str, release: dict, shard_cfg: dict, env: dict) -> Path:
     """Release + split + shards + gather of one phantom release; returns its manifest."""
-    from chexflow.config import DemoReleaseConfig, from_dict
+    from chexflow.data.config import DemoReleaseConfig
+    from chexflow.settings import from_dict
     from chexflow.data import registry
     from chexflow.data.phantoms.release import make_release
     manifest = work / "shards" / name / "manifest.json"

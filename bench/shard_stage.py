@@ -102,7 +102,7 @@ def plain_pil_archive(archive: Path, size: int) -> tuple[int, float, float]:
 
 def shard_job(raw: Path, splits: Path, out: Path, size: int) -> tuple[int, float, float]:
     """(images, wall s, CPU s) of one shard job (``shards.write_part``)."""
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     from chexflow.data import shards
     cfg = ShardConfig(dataset="nih_demo", image_size=size, samples_per_shard=2000, encoding="raw",
                       val_fraction=0.0, max_reject_fraction=0.0)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed passes of each (median)")
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory, removed")
     args = ap.parse_args(argv)
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     from chexflow.data import nih, shards
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="chexflow-bench-shards-"))

@@ -12,7 +12,7 @@ import scipy.io as sio
 import yaml
 from PIL import Image
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import imagenet as I
 from chexflow.data import loader as L
 from chexflow.data import shards as S

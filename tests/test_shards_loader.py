@@ -68,7 +68,7 @@ def test_epochs_reshuffle_and_seed_determinism(demo_manifest):
 
 
 def test_gpu_augment_shapes_and_determinism():
-    from chexflow.config import AugmentConfig
+    from chexflow.data.config import AugmentConfig
     x = torch.randint(0, 255, (4, 40, 40), dtype=torch.uint8)
     a = L.gpu_augment(x, out_size=32, train=True, cfg=AugmentConfig(rotate_deg=5),
                       generator=torch.Generator().manual_seed(1))
@@ -81,7 +81,7 @@ def test_gpu_augment_shapes_and_determinism():
 
 def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
     """A crash after some shards: the rerun keeps finished shards and writes only the rest."""
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     raw = demo_manifest.parent.parent / "raw"
     cfg = ShardConfig(dataset="nih_demo", image_size=32, samples_per_shard=10, val_fraction=0.2,
                       max_reject_fraction=0.0)
@@ -124,7 +124,7 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
 def test_reject_fraction_fails_with_names(tmp_path, demo_manifest):
     import io
     import tarfile
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     raw = demo_manifest.parent.parent / "raw"
     bad_raw = tmp_path / "raw"
     bad_raw.mkdir()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from chexflow.config import OptimConfig, ScheduleConfig
+from chexflow.train.config import OptimConfig, ScheduleConfig
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.losses import masked_bce
 from chexflow.train.models import build_model, load_backbone

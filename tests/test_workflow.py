@@ -22,13 +22,13 @@ def tiny_config(backend: str) -> dict:
     cfg["demo_pretrain_release"].update(n_images=1200, image_size=32, images_per_archive=600)
     for ds in ("nih_demo", "nih_demo_pretrain"):
         cfg["shards"][ds].update(image_size=32, samples_per_shard=100)
+    cfg["training"]["backend"] = backend
+    cfg["training"]["checkpoint"]["every_steps"] = 20
     for stage in ("pretrain", "finetune"):
-        cfg[stage]["backend"] = backend
         cfg[stage]["data"]["crop"] = 32
-        cfg[stage]["checkpoint"]["every_steps"] = 20
     cfg["pretrain"].update(epochs=2, batch_size=32)
     cfg["finetune"].update(epochs=4, batch_size=16)
-    cfg["evaluate"].update(crop=32, bootstrap_resamples=200)
+    cfg["evaluate"]["bootstrap_resamples"] = 200
     return cfg
 
 

@@ -11,8 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-from chexflow.config import (ConfigError, DemoReleaseConfig, EvaluateConfig, ScalingConfig, ShardConfig,
-                             TrainConfig, from_dict, load_stage_config)
+from chexflow.data.config import DemoReleaseConfig, ShardConfig
+from chexflow.evaluate.config import EvaluateConfig
+from chexflow.settings import ConfigError, from_dict, load_stage_config
+from chexflow.studies.config import ScalingConfig
+from chexflow.train.config import TrainConfig
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -44,16 +47,16 @@ def cmd_make_demo_release(args) -> None:
 
 
 def cmd_download(args) -> None:
-    from chexflow.data import download, sources
-    src = sources.get_source(args.dataset, n_archives=args.n_archives)
-    src = sources.with_test_pins(src, sources.load_test_registry())   # tests only: see sources.py
+    from chexflow.data import download, registry, sources
+    src = registry.get_source(args.dataset, n_archives=args.n_archives)
+    src = sources.with_test_pins(src, registry.load_test_registry())   # tests only: see sources.py
     download.fetch_source_file(src, args.file, args.dest, args.mirror or None, progress=True)
 
 
 def cmd_split(args) -> None:
-    from chexflow.data import nih, shards, sources
+    from chexflow.data import nih, registry, shards, sources
     cfg = _load(ShardConfig, args)
-    content = sources.registry_content(sources.load_test_registry(), cfg.dataset)   # tests only
+    content = sources.registry_content(registry.load_test_registry(), cfg.dataset)   # tests only
     df = shards.split_dataset(cfg.dataset, args.raw, cfg, args.out,
                               expected=nih.ReleaseCounts(**content) if content else None)
     counts = df.groupby("split").agg(images=("image", "size"), patients=("patient", "nunique"))
@@ -78,10 +81,13 @@ def cmd_gather(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from chexflow.train.trainer import TrainPaths, run
+    from chexflow.train.run import start
+    from chexflow.train.trainer import TrainPaths
     cfg = _load(TrainConfig, args)
-    run(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
-                        pretrained=args.pretrained, tensorboard=args.tensorboard))
+    outcome = start(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
+                                    pretrained=args.pretrained, tensorboard=args.tensorboard))
+    if outcome.exit_code:
+        sys.exit(outcome.exit_code)
 
 
 def cmd_launch(args) -> None:

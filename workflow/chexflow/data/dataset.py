@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data.sources import RemoteFile, Source
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import images
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source

@@ -48,7 +48,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import archives, images
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import images
 from chexflow.data.archives import ArchiveError, posix_basename, safe_members
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError

@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from chexflow.config import ShardConfig, to_dict
+from chexflow.data.config import ShardConfig
+from chexflow.settings import to_dict
 from chexflow.data import images, nih, registry
 from chexflow.data.dataset import DatasetInfo, ShardError
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic

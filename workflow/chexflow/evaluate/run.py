@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from chexflow.config import EvaluateConfig
+from chexflow.evaluate.config import EvaluateConfig
 from chexflow.data import loader
 from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc, mean_auroc, operating_point, youden_threshold
 from chexflow.evaluate.published import CHEXNET
@@ -47,7 +47,10 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
     model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
     model.load_state_dict(info["state_dict"])
     model.to(device)
-    crop = int(info.get("crop", cfg.crop))
+    if not isinstance(info.get("crop"), int):
+        raise ValueError(f"{model_path}: the model file records no training crop (key 'crop'): "
+                         "evaluation uses the crop the model was trained at")
+    crop = info["crop"]
 
     val = predict(model, loader.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
     test = predict(model, loader.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)

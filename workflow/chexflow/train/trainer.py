@@ -27,11 +27,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from chexflow.config import TrainConfig, to_dict, write_yaml_atomic
-from chexflow.evaluate import metrics as M
 from chexflow.fsutil import sha256_file, write_text_atomic
+from chexflow.settings import to_dict, write_yaml_atomic
 from chexflow.train import checkpoint as ckpt
-from chexflow.train.backends import Backend, backend_for, gather_arrays
+from chexflow.train import val_metrics as M
+from chexflow.train.backends import Backend, gather_arrays
+from chexflow.train.config import TrainConfig
 from chexflow.train.inputs import TrainData, stage_on_node
 from chexflow.train.losses import task_loss
 from chexflow.train.models import build_model, freeze_backbone, load_backbone, param_groups
@@ -39,6 +40,7 @@ from chexflow.train.schedule import build_optimizer, make_scheduler, scaled_lr, 
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
 EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
+DIVERGED_MARKER = "diverged.json"   # in the output directory, when the loss became NaN/inf (step, epoch)
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,6 @@ class _Signals:
 def _log(backend: Backend, msg: str) -> None:
     if backend.is_root:
         print(f"[chexflow {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def run(cfg: TrainConfig, paths: TrainPaths) -> None:
-    backend = backend_for(cfg)
-    try:
-        code = Trainer(cfg, paths, backend).fit()
-    finally:
-        backend.shutdown()
-    if code:
-        sys.exit(code)
 
 
 def run_id(cfg: TrainConfig, pretrained: Path | None) -> str:
@@ -343,7 +335,7 @@ class Trainer:
                 _log(backend, f"non-finite training loss by step {prog.step} (epoch {prog.epoch + 1}): diverged, "
                               "no model written")
                 if backend.is_root:     # what a sweep trial records as its outcome
-                    write_text_atomic(Path(self.paths.out_dir) / "diverged.json",
+                    write_text_atomic(Path(self.paths.out_dir) / DIVERGED_MARKER,
                                       json.dumps({"step": prog.step, "epoch": prog.epoch + 1, "stage": cfg.stage}))
                 code = EXIT_DIVERGED
                 break
