@@ -43,7 +43,11 @@ def setkey(d: dict, key: str, value) -> None:
 
 
 def section(conf: dict, name: str, overrides: dict) -> dict:
-    out = copy.deepcopy(conf.get(name, {}))
+    """config.yaml's section ``name`` (a training stage: over the shared training: section) with overrides."""
+    from chexflow.config import stage_settings
+    from chexflow.train.config import STAGES
+    base = stage_settings(conf, name, "") if name in STAGES else conf.get(name, {})
+    out = {k: v for k, v in copy.deepcopy(base).items() if k not in ("stage", "dataset")}
     for k, v in overrides.items():
         setkey(out, k, v)
     return out

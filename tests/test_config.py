@@ -3,6 +3,7 @@
 shared training section resolved into the same per-stage TrainConfig as before the split."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -150,6 +151,8 @@ BAD = [
     ({"shards.nih_demo.val_fraction": 1.5}, r"shards\.nih_demo\.val_fraction: 1\.5 is not in \[0, 1\)"),
     ({"shards.nih.max_reject_fraction": -0.1}, r"shards\.nih\.max_reject_fraction: -0\.1 is not in \[0, 1\]"),
     ({"shards.imagenet.train_parts": 0}, r"shards\.imagenet\.train_parts: 0 is not in \[1, 1000\]"),
+    ({"study.pretrain_dataset": "imagenet", "shards.imagenet.val_fraction": 0.1},
+     r"shards\.imagenet\.val_fraction: 0\.1 is not 0: the validation split is the official ILSVRC2012 val set"),
     ({"shards.nih.train_parts": 4}, r"shards\.nih\.train_parts: not allowed here \(not a setting of this dataset\)"),
     ({"shards.fashion_mnist.samples_per_shard": 0}, r"shards\.fashion_mnist\.samples_per_shard: 0 is not >= 1"),
     ({"shards.nih_demo_pretrain.image_size": 96},
@@ -339,3 +342,129 @@ def test_generated_sections_follow_the_registry_and_removed_keys_stay_removed():
     assert "name" not in props["study"]["properties"]            # nothing read it
     assert "nih_demo" not in props["datasets"]["properties"]     # a generated release has no mirror
     assert props["training"]["properties"]["data"]["properties"].keys() == {"workers", "shuffle_buffer", "stage_to"}
+
+
+# --------------------------------------------------------------------------- every key is read
+
+PACKAGE = REPO / "workflow" / "chexflow"
+# where settings are declared and checked: a read there is no use of the setting
+DECLARING = {PACKAGE / "settings.py", PACKAGE / "config.py", *PACKAGE.glob("*/config.py")}
+WORKFLOW_FILES = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
+
+
+def _sections() -> dict[str, type]:
+    """config.yaml's sections -> the dataclass of one entry (datasets.<name>, shards.<name>: per dataset)."""
+    from chexflow.data.config import SourceConfig
+    from chexflow.data.registry import DATASETS
+    releases = {d.release_config: DemoReleaseConfig for d in DATASETS.values() if d.generated}
+    return {"study": C.StudySection, "datasets.*": SourceConfig, "shards.*": ShardConfig, **releases,
+            "training": TrainConfig, "pretrain": TrainConfig, "finetune": TrainConfig, **C.STUDY_SECTIONS}
+
+
+def schema_keys() -> list[tuple[str, type, str]]:
+    """(dotted key, owning dataclass, field) of every leaf of the generated schema."""
+    out = []
+
+    def walk(schema: dict, cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for name, sub in schema["properties"].items():
+            tp = hints[name]
+            if dataclasses.is_dataclass(tp):
+                walk(sub, tp, f"{prefix}.{name}")
+            else:
+                out.append((f"{prefix}.{name}", cls, name))
+
+    sections = _sections()
+    for top, schema in C.study_schema()["properties"].items():
+        if f"{top}.*" in sections:
+            for entry, sub in schema["properties"].items():
+                walk(sub, sections[f"{top}.*"], f"{top}.{entry}")
+        else:
+            walk(schema, sections[top], top)
+    return out
+
+
+def _parents() -> dict[type, set[type]]:
+    """Each config dataclass -> the dataclasses that hold it, transitively (OptimConfig -> TrainConfig)."""
+    up: dict[type, set[type]] = {}
+
+    def visit(cls: type) -> None:
+        for tp in typing.get_type_hints(cls).values():
+            if dataclasses.is_dataclass(tp):
+                up.setdefault(tp, set()).add(cls)
+                visit(tp)
+
+    for cls in set(_sections().values()):
+        visit(cls)
+    for cls in list(up):
+        stack = list(up[cls])
+        while stack:
+            for p in up.get(stack.pop(), ()):
+                if p not in up[cls]:
+                    up[cls].add(p)
+                    stack.append(p)
+    return up
+
+
+def _python_reads() -> list[tuple[set[str], set[str]]]:
+    """Per top-level function or class of each package module (the unit a setting is used in):
+    (names it mentions, attributes it reads). A read of ``args.x`` (argparse) or ``self.x`` (an
+    object's own state) is no read of a setting."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in DECLARING:
+            continue
+        tree = ast.parse(path.read_text())
+        imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for unit in tree.body:
+            names, reads = set(), set()
+            for node in ast.walk(unit):
+                if isinstance(node, ast.Name):
+                    names.add(node.id)
+                elif isinstance(node, ast.alias):
+                    names.add(node.asname or node.name.split(".")[-1])
+                elif isinstance(node, ast.Attribute):
+                    names.add(node.attr)
+                    if isinstance(node.ctx, ast.Load) and not (isinstance(node.value, ast.Name)
+                                                               and node.value.id in ("args", "self")):
+                        reads.add(node.attr)
+            if unit not in imports:
+                out.append((names, reads))
+    return out
+
+
+def _workflow_reads() -> set[str]:
+    """What the Snakefile and the rules read: STUDY's attributes and the config mapping's keys."""
+    text = "\n".join(p.read_text() for p in WORKFLOW_FILES)
+    return set(re.findall(r"\.([a-z_][a-z0-9_]*)\b", text)) | set(re.findall(r"[\[(]\"([a-z_][a-z0-9_]*)\"[\])]", text))
+
+
+def unread(keys: list[tuple[str, type, str]]) -> list[str]:
+    """The keys no code reads: neither the workflow (the rules read the checked study and config
+    mapping) nor a package function or class that names the setting's dataclass, or one holding
+    it, and reads an attribute of that name (a name read in unrelated code does not count)."""
+    parents, modules, workflow = _parents(), _python_reads(), _workflow_reads()
+    dead = []
+    for dotted, cls, name in keys:
+        owners = {cls.__name__} | {p.__name__ for p in parents.get(cls, ())}
+        used = name in workflow or any(name in reads and owners & mentions for mentions, reads in modules)
+        if not used:
+            dead.append(dotted)
+    return dead
+
+
+def test_every_key_of_the_schema_is_read_by_some_code():
+    keys = schema_keys()
+    assert len(keys) > 100 and ("training.checkpoint.keep", T.CheckpointConfig, "keep") in keys
+    assert not unread(keys), f"keys nothing reads (remove them, or use them): {unread(keys)}"
+
+
+def test_the_dead_key_check_catches_a_new_unread_setting():
+    """A setting named like no attribute anywhere, and one whose name other code reads for something
+    else (workers of the loader, the model file's crop), are both reported; the removed
+    evaluate.crop would be again."""
+    from chexflow.evaluate.config import EvaluateConfig
+    planted = [("training.optim.betas", OptimConfig, "betas"), ("evaluate.workers", EvaluateConfig, "workers"),
+               ("evaluate.crop", EvaluateConfig, "crop"), ("scaling.seed", C.STUDY_SECTIONS["scaling"], "seed")]
+    assert unread(planted) == ["training.optim.betas", "evaluate.workers", "evaluate.crop", "scaling.seed"]
+    assert unread([("evaluate.seed", EvaluateConfig, "seed")]) == []

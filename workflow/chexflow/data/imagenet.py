@@ -316,6 +316,12 @@ def decode(data: bytes, *, name: str, size: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- the adapter (chexflow.data.registry)
 
+def check_val_fraction(cfg: ShardConfig) -> None:
+    if cfg.val_fraction != 0:
+        raise ShardError(f"shards.imagenet.val_fraction: {cfg.val_fraction} is not 0: the validation split is "
+                         "the official ILSVRC2012 val set")
+
+
 @dataclass(frozen=True)
 class ImageNet(Dataset):
     """ILSVRC2012: ``train_parts`` class ranges of the train archive and ``val``, each read with
@@ -329,6 +335,7 @@ class ImageNet(Dataset):
         return source()
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
+        check_val_fraction(cfg)       # planning runs before any job: a bad setting fails the DAG
         return part_names(cfg.train_parts)
 
     def part_files(self, source: Source, part: str) -> list[RemoteFile]:
@@ -345,9 +352,7 @@ class ImageNet(Dataset):
     def split(self, raw_dir: Path, cfg: ShardConfig, *, expected: object = None) -> pd.DataFrame:
         """Fixed: the official val set is "val"; every train-archive image is "train" and is not
         listed (listing 1.28M names would mean reading all 1000 per-class tars here)."""
-        if cfg.val_fraction != 0:
-            raise ShardError(f"imagenet: val_fraction must be 0 (got {cfg.val_fraction}): the validation "
-                             "split is the official ILSVRC2012 val set")
+        check_val_fraction(cfg)
         names = val_split_rows(read_devkit(Path(raw_dir) / DEVKIT))
         return pd.DataFrame({"image": names, "patient": names, "split": "val"})
 
