@@ -286,9 +286,9 @@ def _data_relations(s: Study, p: _Problems) -> None:
                 and stored.image_size > release.image_size):
             p.add(f"shards.{name}.image_size", f"shards.{name}.image_size: {stored.image_size} is not <= "
                   f"{section}.image_size ({release.image_size}): the shards would upsample the generated images")
-    for name in dict.fromkeys((s.pretrain_dataset, s.finetune_dataset)):
+    for name in s.shards:
         release = s.releases.get(name)
-        if name in s.shards and p.ok(f"shards.{name}", f"datasets.{name}"):
+        if p.ok(f"shards.{name}", f"datasets.{name}", registry.get(name).release_config or name):
             try:       # the shard jobs can be planned (e.g. a pilot's archive numbers exist)
                 registry.get(name).parts(s.shards[name], release.n_archives if release else None)
             except ShardError as exc:
