@@ -99,7 +99,7 @@ def demo_manifest(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def fashion_manifest(tmp_path_factory) -> Path:
     """Fashion-MNIST t10k part only (10k real images) as a small pretraining set."""
-    from chexflow.data import download, shards, sources
+    from chexflow.data import download, registry, shards, sources
     root = tmp_path_factory.mktemp("fmnist")
     src = registry.get_source("fashion_mnist")
     raw = root / "raw"

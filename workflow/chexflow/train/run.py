@@ -113,8 +113,8 @@ def _launch(cfg: TrainConfig, paths: TrainPaths, launcher: list[str], ranks: int
     sys.stdout.flush()
     if stopped:
         return Outcome("interrupted", 128 + stopped[0], ident, None, f"{signal.Signals(stopped[0]).name} received")
-    if (out_dir / DIVERGED_MARKER).is_file():
-        return Outcome("diverged", EXIT_DIVERGED, ident, None, _divergence(out_dir))
+    if (out_dir / DIVERGED_MARKER).is_file():     # (the launcher may pass on another code than the ranks')
+        return Outcome("diverged", code, ident, None, _divergence(out_dir))
     if code in INTERRUPTED_EXITS:
         return Outcome("interrupted", code, ident, None, f"the ranks were stopped (exit code {code})")
     if code != 0:
