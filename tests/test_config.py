@@ -8,7 +8,6 @@ import dataclasses
 import json
 import re
 import typing
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -34,7 +33,8 @@ def default() -> dict:
 
 def test_schema_file_in_sync_with_dataclasses():
     committed = yaml.safe_load((REPO / "workflow/chexflow/schemas/config.schema.yaml").read_text())
-    assert committed == C.study_schema(), "regenerate: python -m chexflow.config > workflow/chexflow/schemas/config.schema.yaml"
+    assert committed == C.study_schema(), \
+        "regenerate: python -m chexflow.config > workflow/chexflow/schemas/config.schema.yaml"
 
 
 def test_config_yaml_validates_and_builds_every_stage():
@@ -42,7 +42,8 @@ def test_config_yaml_validates_and_builds_every_stage():
     jsonschema.validate(cfg, C.study_schema())
     study = C.check_study(cfg)
     assert study.train["pretrain"].stage == "pretrain" and study.train["finetune"].init == "pretrained"
-    assert study.shards["nih_demo_pretrain"] == dataclasses.replace(study.shards["nih_demo"], dataset="nih_demo_pretrain")
+    shared = dataclasses.replace(study.shards["nih_demo"], dataset="nih_demo_pretrain")     # (a YAML alias)
+    assert study.shards["nih_demo_pretrain"] == shared
     assert study.releases["nih_demo"].n_archives == 3
     assert len((REPO / "config.yaml").read_text().splitlines()) < 200
 
@@ -62,7 +63,8 @@ def test_a_stage_overrides_a_shared_key_and_the_rules_get_the_resolved_section()
     assert study.train["pretrain"].data.shuffle_buffer == 2000 and study.train["finetune"].data.shuffle_buffer == 1000
     for stage in ("pretrain", "finetune"):          # the shared values, written once, in both
         t = study.train[stage]
-        assert (t.backend, t.checkpoint.every_steps, t.optim.implementation, t.ddp.timeout_s) == ("horovod", 50, "fused", 1800)
+        shared = (t.backend, t.checkpoint.every_steps, t.optim.implementation, t.ddp.timeout_s)
+        assert shared == ("horovod", 50, "fused", 1800)
     cfg["finetune"]["checkpoint"] = {"every_steps": 7}       # one key of a nested shared section
     study = C.check_study(cfg)
     assert study.train["finetune"].checkpoint == T.CheckpointConfig(every_steps=7, keep=3, on_world_change="refuse")
@@ -134,7 +136,8 @@ def _set(cfg: dict, dotted: str, value) -> None:
 # (changes to the default config.yaml, the one problem expected: a regex naming key, value and range)
 BAD = [
     # study
-    ({"study.pretrain_dataset": "nih_demo"}, r"study\.pretrain_dataset: 'nih_demo' is not one of \['fashion_mnist', 'nih_demo_pretrain', 'imagenet'\]"),
+    ({"study.pretrain_dataset": "nih_demo"},
+     r"study\.pretrain_dataset: 'nih_demo' is not one of \['fashion_mnist', 'nih_demo_pretrain', 'imagenet'\]"),
     # datasets
     ({"datasets.nih.archives": [0, 2]}, r"datasets\.nih\.archives\[0\]: 0 is not >= 1"),
     ({"datasets.nih.archives": [1, 1]}, r"datasets\.nih\.archives: \[1, 1\] lists a value twice"),
@@ -178,14 +181,17 @@ BAD = [
      r"pretrain\.optim\.nesterov: true needs optim\.momentum > 0"),
     ({"pretrain.schedule.step_epochs": [2]}, r"pretrain\.schedule\.step_epochs: \[2\] is set but decay is 'cosine'"),
     # finetune: what fails only after pretraining fails now
-    ({"finetune.freeze": 7}, r"finetune\.freeze: 7 is not in 0\.\.6, the backbone stages of resnet18 \(conv1, bn1, layer1"),
+    ({"finetune.freeze": 7},
+     r"finetune\.freeze: 7 is not in 0\.\.6, the backbone stages of resnet18 \(conv1, bn1, layer1"),
     ({"finetune.transfer_stages": 9}, r"finetune\.transfer_stages: 9 is not in 0\.\.6"),
-    ({"finetune.model.arch": "resnet34"}, r"finetune\.model\.arch: 'resnet34' is not pretrain\.model\.arch \('resnet18'\)"),
+    ({"finetune.model.arch": "resnet34"},
+     r"finetune\.model\.arch: 'resnet34' is not pretrain\.model\.arch \('resnet18'\)"),
     ({"finetune.data.samples_per_epoch": 8}, r"finetune\.data\.samples_per_epoch: 8 is not >= 32 \(batch_size x"),
     ({"finetune.data.crop": 96}, r"finetune\.data\.crop: 96 is not <= shards\.nih_demo\.image_size \(64\)"),
     ({"finetune.optim.backbone_lr_mult": 0}, r"finetune\.optim\.backbone_lr_mult: 0\.0 is not > 0"),
     ({"finetune.optim.momentum": 1.5}, r"finetune\.optim\.momentum: 1\.5 is not in \[0, 1\)"),
-    ({"finetune.transfer_stages": 2, "finetune.freeze": 4}, r"finetune\.freeze: 4 is not <= finetune\.transfer_stages \(2\)"),
+    ({"finetune.transfer_stages": 2, "finetune.freeze": 4},
+     r"finetune\.freeze: 4 is not <= finetune\.transfer_stages \(2\)"),
     # the ablation fine-tunes the same section from the pretraining model: its relations hold too
     ({"finetune.init": "random", "finetune.transfer_stages": 2, "finetune.freeze": 3},
      r"finetune\.freeze: 3 is not <= finetune\.transfer_stages \(2\)"),
@@ -195,7 +201,8 @@ BAD = [
     # scaling
     ({"scaling.world_sizes": [1, 1]}, r"scaling\.world_sizes: \[1, 1\] lists a value twice"),
     ({"scaling.world_sizes": [0, 2]}, r"scaling\.world_sizes\[0\]: 0 is not >= 1"),
-    ({"scaling.enabled": True, "scaling.crop": 128}, r"scaling\.crop: 128 is not <= shards\.nih_demo_pretrain\.image_size \(64\)"),
+    ({"scaling.enabled": True, "scaling.crop": 128},
+     r"scaling\.crop: 128 is not <= shards\.nih_demo_pretrain\.image_size \(64\)"),
     ({"scaling.epochs": 1}, r"scaling\.epochs: 1 is not >= 2"),
     # sweep
     ({"sweep.space.optim.lr": [0.001, -1.0]}, r"sweep\.space\.optim\.lr\[1\]: -1\.0 is not > 0"),
@@ -239,8 +246,8 @@ def test_every_problem_is_listed_at_once():
     with pytest.raises(ConfigError) as err:
         C.check_study(cfg)
     keys = [p.split(":")[0] for p in err.value.problems]
-    assert keys == ["shards.nih_demo.val_fraction", "training.checkpoint.keep", "pretrain.optim.lr", "evaluate.batch_size",
-                    "scaling.world_sizes", "sweep.space.freeze[0]", "pretrain.data.crop"]
+    assert keys == ["shards.nih_demo.val_fraction", "training.checkpoint.keep", "pretrain.optim.lr",
+                    "evaluate.batch_size", "scaling.world_sizes", "sweep.space.freeze[0]", "pretrain.data.crop"]
     assert str(err.value).startswith("7 problems:")
 
 
@@ -295,8 +302,8 @@ def test_every_numeric_setting_has_a_range_and_the_schema_carries_it():
     assert not missing, f"give these settings a range (chexflow.settings.setting): {missing}"
     props = C.study_schema()["properties"]
     assert props["pretrain"]["properties"]["optim"]["properties"]["lr"] == {"type": "number", "exclusiveMinimum": 0.0}
-    assert props["scaling"]["properties"]["world_sizes"] == {"type": "array", "items": {"type": "integer", "minimum": 1},
-                                                             "uniqueItems": True}
+    assert props["scaling"]["properties"]["world_sizes"] == {
+        "type": "array", "items": {"type": "integer", "minimum": 1}, "uniqueItems": True}
     assert props["shards"]["properties"]["nih"]["properties"]["val_fraction"] == {
         "type": "number", "minimum": 0.0, "exclusiveMaximum": 1.0}
 
@@ -331,7 +338,8 @@ def test_a_snakemake_dry_run_takes_a_yaml11_exponent_as_its_number(tmp_path):
                      "results/pretrain/model.pt")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "pretrain.optim.lr: '1e-3' is a string in YAML 1.1 (an exponent without a dot); read as the number 0.001" in out
+    assert ("pretrain.optim.lr: '1e-3' is a string in YAML 1.1 (an exponent without a dot); "
+            "read as the number 0.001") in out
     shell = re.search(r"chexflow train --config-json '([^']*)'", out).group(1)
     assert json.loads(shell)["optim"]["lr"] == 0.001
 

@@ -47,8 +47,9 @@ def imports_of(module: str) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:      # relative: from the package, up level - 1
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
             names = [f"{base}.{a.name}" for a in node.names] + [base]
         for n in names:
             if n.startswith("chexflow"):

@@ -57,5 +57,6 @@ def test_the_layers_described_are_the_ones_enforced():
     text = layout()
     order = re.search(r"bottom up: (.+?)\. A module", text, re.S).group(1)
     described = [[m.strip("`") for m in step.split("/")] for step in re.findall(r"`[^`]+`(?:/`[^`]+`)?", order)]
-    assert [LAYERS[name] for step in described for name in step] == sorted(LAYERS[name] for step in described for name in step)
-    assert {name for step in described for name in step} == {k for k in LAYERS if k not in ("__init__", "__main__", "install")}
+    layers = [LAYERS[name] for step in described for name in step]
+    assert layers == sorted(layers)
+    assert {name for step in described for name in step} == set(LAYERS) - {"__init__", "__main__", "install"}

@@ -114,7 +114,8 @@ def test_exit_codes_and_the_divergence_marker_exist_once():
                 for target in node.targets:
                     if getattr(target, "id", None) in ("EXIT_PREEMPTED", "EXIT_DIVERGED", "DIVERGED_MARKER"):
                         defined.setdefault(target.id, set()).add(where)
-            if isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value in ("diverged.json", 143):
+            literal = isinstance(node, ast.Constant) and not isinstance(node.value, bool)
+            if literal and node.value in ("diverged.json", 143):
                 literals.setdefault(node.value, set()).add(where)
     assert defined == {name: {"train/trainer.py"} for name in ("EXIT_PREEMPTED", "EXIT_DIVERGED", "DIVERGED_MARKER")}
     assert literals == {"diverged.json": {"train/trainer.py"}, 143: {"train/trainer.py"}}

@@ -114,8 +114,8 @@ def test_tiny_chain_twice_gives_identical_metrics(tmp_path, demo_manifest):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
         runs.append(work)
     a, b = runs
-    assert (a / "results/evaluate/metrics.json").read_bytes() == (b / "results/evaluate/metrics.json").read_bytes()
-    assert (a / "results/evaluate/predictions.csv").read_bytes() == (b / "results/evaluate/predictions.csv").read_bytes()
+    for name in ("metrics.json", "predictions.csv"):
+        assert (a / "results/evaluate" / name).read_bytes() == (b / "results/evaluate" / name).read_bytes(), name
     for stage in ("pretrain", "finetune"):
         wa = torch.load(a / f"results/{stage}/model.pt", weights_only=True)["state_dict"]
         wb = torch.load(b / f"results/{stage}/model.pt", weights_only=True)["state_dict"]

@@ -293,6 +293,8 @@ def _data_relations(s: Study, p: _Problems) -> None:
                 registry.get(name).parts(s.shards[name], release.n_archives if release else None)
             except ShardError as exc:
                 p.add(f"datasets.{name}", str(exc))
+            for message in registry.get(name).check_settings(s.shards[name]):
+                p.add(f"shards.{name}", message)
 
 
 def _study_relations(s: Study, p: _Problems) -> None:

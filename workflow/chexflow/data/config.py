@@ -51,7 +51,7 @@ class ShardConfig:
     # full release: listed images found in no archive (else an error)
     max_missing_fraction: float = setting(0.001, ge=0.0, le=1.0)
     train_parts: int = setting(16, ge=1, le=1000)   # imagenet only: shard jobs for the train archive (class ranges)
-    archives: tuple[int, ...] | None = setting(None, **ARCHIVE_NUMBERS)   # nih: the pilot subset (datasets.nih.archives)
+    archives: tuple[int, ...] | None = setting(None, **ARCHIVE_NUMBERS)   # nih: a pilot (datasets.nih.archives)
 
 
 @dataclass(frozen=True)

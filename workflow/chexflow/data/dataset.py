@@ -86,6 +86,11 @@ class Dataset:
         """The files of ``source`` the split reads: those with a role in ``split_roles``."""
         return [f for f in source.files if f.role in self.split_roles]
 
+    def check_settings(self, cfg: ShardConfig) -> list[str]:
+        """Problems of ``shards.<name>`` that only this dataset has (each naming its dotted key):
+        ``chexflow.config.check_study`` reports them before any job runs."""
+        return []
+
     # ------------------------------------------------------------------ reading (shard stage)
     def info(self, raw_dir: Path | None = None) -> DatasetInfo:
         """Title, task and labels (labels read from ``raw_dir`` may be empty without it)."""

@@ -316,12 +316,6 @@ def decode(data: bytes, *, name: str, size: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- the adapter (chexflow.data.registry)
 
-def check_val_fraction(cfg: ShardConfig) -> None:
-    if cfg.val_fraction != 0:
-        raise ShardError(f"shards.imagenet.val_fraction: {cfg.val_fraction} is not 0: the validation split is "
-                         "the official ILSVRC2012 val set")
-
-
 @dataclass(frozen=True)
 class ImageNet(Dataset):
     """ILSVRC2012: ``train_parts`` class ranges of the train archive and ``val``, each read with
@@ -335,8 +329,13 @@ class ImageNet(Dataset):
         return source()
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
-        check_val_fraction(cfg)       # planning runs before any job: a bad setting fails the DAG
         return part_names(cfg.train_parts)
+
+    def check_settings(self, cfg: ShardConfig) -> list[str]:
+        if cfg.val_fraction != 0:
+            return [f"shards.imagenet.val_fraction: {cfg.val_fraction} is not 0: the validation split is the "
+                    "official ILSVRC2012 val set"]
+        return []
 
     def part_files(self, source: Source, part: str) -> list[RemoteFile]:
         archive = VAL_TAR if part == VAL_PART else TRAIN_TAR
@@ -352,7 +351,9 @@ class ImageNet(Dataset):
     def split(self, raw_dir: Path, cfg: ShardConfig, *, expected: object = None) -> pd.DataFrame:
         """Fixed: the official val set is "val"; every train-archive image is "train" and is not
         listed (listing 1.28M names would mean reading all 1000 per-class tars here)."""
-        check_val_fraction(cfg)
+        problems = self.check_settings(cfg)
+        if problems:
+            raise ShardError(problems[0])
         names = val_split_rows(read_devkit(Path(raw_dir) / DEVKIT))
         return pd.DataFrame({"image": names, "patient": names, "split": "val"})
 
