@@ -171,7 +171,7 @@ def run_trial(finetune: dict, params: dict[str, Any], *, trial_id: str, launcher
         raise SystemExit(128 + stopped[0])      # preempted/interrupted: the retry resumes the trial
     result: dict[str, Any] = {"trial": trial_id, "params": params, "exit_code": code, "status": "ok",
                               "reason": None, "val_metric": None, "val_metric_name": None, "best_epoch": None,
-                              "model": None}
+                              "model": None, "run_id": None}
     if (out_dir / DIVERGED_MARKER).is_file():
         info = json.loads((out_dir / DIVERGED_MARKER).read_text())
         result.update(status="failed", reason=f"diverged: non-finite training loss at step {info.get('step')}")
@@ -180,8 +180,14 @@ def run_trial(finetune: dict, params: dict[str, Any], *, trial_id: str, launcher
     elif code != 0:
         result.update(status="failed", reason=f"crashed (exit code {code})", log_tail=list(tail))
     else:
+        from chexflow.train.checkpoint import load_model_file
+        from chexflow.train.trainer import run_id
         metric, name, epoch = _best(out_dir / "metrics.jsonl")
-        result.update(val_metric=metric, val_metric_name=name, best_epoch=epoch, model=str(out_dir / "model.pt"))
+        # the model the trainer just wrote is this trial's: the selection copies only a file of this run id
+        expected = run_id(cfg, Path(pretrained) if pretrained is not None else None)
+        load_model_file(out_dir / "model.pt", expect={"run_id": expected, "task": "multilabel"})
+        result.update(val_metric=metric, val_metric_name=name, best_epoch=epoch, model=str(out_dir / "model.pt"),
+                      run_id=expected)
         if metric is None:
             result.update(status="failed", reason="no finite validation metric")
     write_text_atomic(out_dir / "result.json", json.dumps(result, indent=1))
@@ -217,6 +223,9 @@ def write_selection(result_files: list[Path], *, out_csv: Path, out_json: Path, 
     df = table(results, winner["trial"])
     with atomic_path(out_csv) as tmp:
         df.to_csv(tmp, index=False, float_format="%.6g")
+    from chexflow.train.checkpoint import load_model_file
+    # the winner's file must still be the model its trial recorded (format, task, run id), not a stale one
+    load_model_file(winner["model"], expect={"run_id": winner.get("run_id"), "task": "multilabel"})
     with atomic_path(out_model) as tmp:
         shutil.copyfile(winner["model"], tmp)
     summary = {"winner": winner, "n_trials": len(results),
