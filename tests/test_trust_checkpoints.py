@@ -95,6 +95,7 @@ def test_refused_checkpoints_are_set_aside_and_do_not_defeat_pruning(tmp_path):
     ckpt.save_atomic({**_state(997, "other"), "format": ckpt.CHECKPOINT_FORMAT}, tmp_path / "step-000000997-r1.pt")
     ckpt.save_atomic({**_state(5), "format": ckpt.CHECKPOINT_FORMAT}, tmp_path / "step-000000996-r1.pt")
     ckpt.save_atomic(_state(995), tmp_path / "step-000000995-r1.pt")
+    ckpt.save_atomic({**_state(994), "format": ckpt.CHECKPOINT_FORMAT, "history": "x"}, tmp_path / "step-000000994-r1.pt")
     logs: list[str] = []
     path, state = ckpt.load_newest_valid(tmp_path, run_id="r1", log=logs.append)
     assert not marker.exists()
@@ -106,7 +107,8 @@ def test_refused_checkpoints_are_set_aside_and_do_not_defeat_pruning(tmp_path):
     assert "names run 'other', not this run 'r1'" in reasons["step-000000997-r1.pt"]
     assert "its name says step 996, its content step 5" in reasons["step-000000996-r1.pt"]
     assert "checkpoint format 1; this chexflow" in reasons["step-000000995-r1.pt"]
-    assert sorted(p.name for p in tmp_path.glob("*.refused")) == [f"step-00000099{i}-r1.pt.refused" for i in range(5, 10)]
+    assert "its 'history' is not a list of validated epochs" in reasons["step-000000994-r1.pt"]
+    assert sorted(p.name for p in tmp_path.glob("*.refused")) == [f"step-00000099{i}-r1.pt.refused" for i in range(4, 10)]
     # pruning keeps this run's newest real checkpoints
     for step in (4, 5):
         ckpt.save_checkpoint(tmp_path, step, _state(step), keep=2)
