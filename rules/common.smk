@@ -1,6 +1,7 @@
 # Path helpers and wildcard lists for the rules (no logic beyond naming things).
 import json
 import os
+import shlex
 import sys
 
 from chexflow.config import resolved_config, stage_settings
@@ -162,6 +163,11 @@ def sweep_results():
     return [f"results/sweep/trials/{t['id']}/result.json" for t in _sweep_trials()]
 
 
+def sweep_trials_arg():
+    """`chexflow evaluate --trials-json`: every trial's overrides (the sweep winner is one of them)."""
+    return f"--trials-json {shlex.quote(json.dumps([t['params'] for t in _sweep_trials()]))}"
+
+
 def sweep_trial_json(wildcards):
     """The trial's overrides of the finetune section (a changed trial reruns alone)."""
     return json.dumps(next(t["params"] for t in _sweep_trials() if t["id"] == wildcards.trial))
@@ -178,13 +184,14 @@ def pretrained_input(init):
 
 
 def finetune_inputs(wildcards):
-    """Input function of finetune_model and sweep_trial: the data and, only with
-    finetune.init: pretrained, the pretraining model (with init random they do not wait for it)."""
+    """Input function of finetune_model, sweep_trial and their evaluations: the data and, only with
+    finetune.init: pretrained, the pretraining model (with init random they do not wait for it; the
+    evaluation needs it to compute the run id the model must carry)."""
     return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(FINETUNE_INIT)}
 
 
 def ablation_inputs(wildcards):
-    """Input function of finetune_ablation: like finetune_inputs, for the other init."""
+    """Input function of finetune_ablation and evaluate_ablation: like finetune_inputs, for the other init."""
     return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(ABLATION_INIT)}
 
 

@@ -98,10 +98,30 @@ def cmd_launch(args) -> None:
     sys.exit(launch(backend, args.n, cmd))
 
 
+def _expected_run_ids(args) -> set[str] | None:
+    """The run ids the model to evaluate may carry: of the training section (--train-config-json)
+    or, with --trials-json, of each sweep trial's overrides of it; None when no section is given."""
+    from chexflow.evaluate.run import expected_run_ids
+    if args.train_config_json is None:
+        if args.trials_json is not None:
+            raise ConfigError("--trials-json needs --train-config-json (the section the trials override)")
+        return None
+    section = load_stage_config(TrainConfig, text=args.train_config_json)
+    if args.trials_json is None:
+        return expected_run_ids([section], args.pretrained)
+    from chexflow.studies.sweep import apply_params
+    trials = json.loads(args.trials_json)
+    if not isinstance(trials, list) or not all(isinstance(t, dict) for t in trials):
+        raise ConfigError(f"--trials-json: expected a list of mappings (the trials' overrides), got {trials!r}")
+    base = json.loads(args.train_config_json)
+    return expected_run_ids([from_dict(TrainConfig, apply_params(base, t)) for t in trials], args.pretrained)
+
+
 def cmd_evaluate(args) -> None:
     from chexflow.evaluate.run import run
     cfg = _load(EvaluateConfig, args)
-    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir)
+    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir,
+              expect_run_ids=_expected_run_ids(args))
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
@@ -220,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--manifest", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--train-config-json", default=None,
+                   help="the training section (with stage, dataset) that should have produced the model: its run "
+                        "id must be the model file's (the rules pass it; without it the run id is not checked)")
+    p.add_argument("--pretrained", type=Path, default=None,
+                   help="the pretraining model, for a section with init: pretrained (part of the run id)")
+    p.add_argument("--trials-json", default=None,
+                   help="sweep: the trials' overrides of that section (a JSON list); the model must be one trial's")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("scale-point", help="one rank of the scaling study at one world size")

@@ -139,13 +139,18 @@ def run_trial(finetune: dict, params: dict[str, Any], *, trial_id: str, launcher
         raise SystemExit(outcome.exit_code)     # preempted / killed: not the trial's outcome; a retry resumes
     result: dict[str, Any] = {"trial": trial_id, "params": params, "exit_code": outcome.exit_code, "status": "ok",
                               "reason": None, "val_metric": None, "val_metric_name": None, "best_epoch": None,
-                              "model": None}
+                              "model": None, "run_id": outcome.run_id}
     if outcome.status == "diverged":
         result.update(status="failed", reason=f"diverged: {outcome.detail}")
+    elif outcome.status == "no_valid_epoch":
+        result.update(status="failed", reason=outcome.detail)
     elif outcome.status == "crashed":
         result.update(status="failed", reason=f"crashed ({outcome.detail})", log_tail=list(outcome.log_tail))
     else:
+        from chexflow.train.checkpoint import load_model_file
         metric, name, epoch = _best(out_dir / "metrics.jsonl")
+        # the model the trainer just wrote is this trial's: the selection copies only a file of this run id
+        load_model_file(outcome.model, expect={"run_id": outcome.run_id, "task": "multilabel"})
         result.update(val_metric=metric, val_metric_name=name, best_epoch=epoch, model=str(outcome.model))
         if metric is None:
             result.update(status="failed", reason="no finite validation metric")
@@ -182,6 +187,9 @@ def write_selection(result_files: list[Path], *, out_csv: Path, out_json: Path, 
     df = table(results, winner["trial"])
     with atomic_path(out_csv) as tmp:
         df.to_csv(tmp, index=False, float_format="%.6g")
+    from chexflow.train.checkpoint import load_model_file
+    # the winner's file must still be the model its trial recorded (format, task, run id), not a stale one
+    load_model_file(winner["model"], expect={"run_id": winner.get("run_id"), "task": "multilabel"})
     with atomic_path(out_model) as tmp:
         shutil.copyfile(winner["model"], tmp)
     summary = {"winner": winner, "n_trials": len(results),

@@ -20,7 +20,8 @@ from typing import Literal
 from chexflow.settings import to_dict
 from chexflow.train.backends import Backend, backend_for
 from chexflow.train.config import TrainConfig
-from chexflow.train.trainer import DIVERGED_MARKER, EXIT_DIVERGED, EXIT_PREEMPTED, Trainer, TrainPaths, run_id
+from chexflow.train.trainer import (DIVERGED_MARKER, EXIT_DIVERGED, EXIT_NO_VALID_EPOCH, EXIT_PREEMPTED, NoValidEpoch,
+                                    Trainer, TrainPaths, _log, run_id)
 
 # exits of a launcher whose ranks were stopped from outside (preempted, killed, interrupted): no
 # outcome of the run itself; a rerun resumes from the checkpoints
@@ -32,11 +33,11 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 @dataclass(frozen=True)
 class Outcome:
     """How a training run ended."""
-    status: Literal["finished", "diverged", "interrupted", "crashed"]
+    status: Literal["finished", "diverged", "no_valid_epoch", "interrupted", "crashed"]
     exit_code: int              # what the process that ran it exits with (0 only when finished)
     run_id: str                 # chexflow.train.trainer.run_id: which checkpoints belong to this run
     model: Path | None          # model.pt, when finished
-    detail: str = ""            # diverged: where; interrupted / crashed: the signal or exit code
+    detail: str = ""            # diverged: where; no_valid_epoch: why; interrupted / crashed: the signal or exit code
     log_tail: tuple[str, ...] = ()   # crashed under a launcher: the ranks' last output lines
 
     @property
@@ -62,6 +63,9 @@ def start(cfg: TrainConfig, paths: TrainPaths, *, backend: Backend | None = None
     try:
         trainer = Trainer(cfg, paths, backend)
         code = trainer.fit()
+    except NoValidEpoch as exc:     # every rank holds the same history and stops here, without a traceback
+        _log(backend, str(exc))
+        return Outcome("no_valid_epoch", EXIT_NO_VALID_EPOCH, trainer.run_id, None, str(exc))
     finally:
         if own:
             backend.shutdown()
@@ -115,6 +119,8 @@ def _launch(cfg: TrainConfig, paths: TrainPaths, launcher: list[str], ranks: int
         return Outcome("interrupted", 128 + stopped[0], ident, None, f"{signal.Signals(stopped[0]).name} received")
     if (out_dir / DIVERGED_MARKER).is_file():     # (the launcher may pass on another code than the ranks')
         return Outcome("diverged", code, ident, None, _divergence(out_dir))
+    if code == EXIT_NO_VALID_EPOCH:      # (when the launcher passes the ranks' code on)
+        return Outcome("no_valid_epoch", code, ident, None, "no epoch validated with a finite metric", tuple(tail))
     if code in INTERRUPTED_EXITS:
         return Outcome("interrupted", code, ident, None, f"the ranks were stopped (exit code {code})")
     if code != 0:
