@@ -160,6 +160,24 @@ class ShardConfig:
     max_missing_fraction: float = 0.001   # full release: listed images found in no archive (else an error)
     train_parts: int = 16             # imagenet only: shard jobs for the train archive (class ranges)
     archives: tuple[int, ...] | None = None   # nih: the declared pilot subset (datasets.nih.archives)
+    # archive datasets (nih*, imagenet): an archive member larger than this is a reject, skipped
+    # without being read; an image whose header declares more pixels is a reject, not decoded
+    max_member_mb: float = 64.0
+    max_image_megapixels: float = 64.0
+
+    def __post_init__(self) -> None:
+        for key in ("max_member_mb", "max_image_megapixels"):
+            value = getattr(self, key)
+            if not value > 0:
+                raise ConfigError(f"shards.{self.dataset}.{key}: must be a number > 0, got {value!r}")
+
+    @property
+    def max_member_bytes(self) -> int:
+        return int(self.max_member_mb * 1_000_000)
+
+    @property
+    def max_image_pixels(self) -> int:
+        return int(self.max_image_megapixels * 1_000_000)
 
 
 @dataclass(frozen=True)
@@ -348,7 +366,7 @@ def dataclass_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict:
 
 # ShardConfig fields that only some datasets have (``Dataset.shard_options``); ``archives`` is set
 # through datasets.<name>.archives, never under shards:
-_DATASET_SHARD_KEYS = ("dataset", "train_parts", "archives")
+_DATASET_SHARD_KEYS = ("dataset", "train_parts", "archives", "max_member_mb", "max_image_megapixels")
 
 
 def study_schema() -> dict:
