@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import hostile
 from chexflow.data import images
 
 
@@ -103,56 +104,9 @@ def test_decode_grey_with_size_is_decode_then_resize_square(mode, shape):
 
 
 # --------------------------------------------------------------------------- untrusted files (issue 17)
-# Hostile files are made here from valid ones: a PNG whose header declares more rows than its zlib
-# stream holds (Pillow decodes it without an error or a warning, the missing rows black), JPEGs cut
-# short or declaring more rows than their scan holds (libjpeg fills grey and only warns).
-
-def _chunks(png: bytes) -> list[tuple[bytes, bytes]]:
-    out, pos = [], 8
-    while pos < len(png):
-        (n,) = struct.unpack(">I", png[pos:pos + 4])
-        out.append((png[pos + 4:pos + 8], png[pos + 8:pos + 8 + n]))
-        pos += 12 + n
-    return out
-
-
-def _build_png(chunks: list[tuple[bytes, bytes]]) -> bytes:
-    return b"\x89PNG\r\n\x1a\n" + b"".join(struct.pack(">I", len(body)) + kind + body
-                                           + struct.pack(">I", zlib.crc32(kind + body)) for kind, body in chunks)
-
-
-def _declare_height(png: bytes, height: int) -> bytes:
-    """The same PNG, its IHDR declaring ``height`` rows (the image data unchanged)."""
-    chunks = _chunks(png)
-    kind, ihdr = chunks[0]
-    assert kind == b"IHDR"
-    chunks[0] = (kind, ihdr[:4] + struct.pack(">I", height) + ihdr[8:])
-    return _build_png(chunks)
-
-
-def _interlaced_png(grey: np.ndarray) -> bytes:
-    """An 8-bit grey Adam7-interlaced PNG (Pillow writes none): each pass's rows, filter type 0."""
-    h, w = grey.shape
-    raw = b"".join(b"\x00" + grey[y, c0::dc].tobytes()
-                   for r0, c0, dr, dc in ((0, 0, 8, 8), (0, 4, 8, 8), (4, 0, 8, 4), (0, 2, 4, 4), (2, 0, 4, 2),
-                                          (0, 1, 2, 2), (1, 0, 2, 1))
-                   if c0 < w for y in range(r0, h, dr))
-    ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 1)
-    return _build_png([(b"IHDR", ihdr), (b"IDAT", zlib.compress(raw)), (b"IEND", b"")])
-
-
-def _jpeg(arr: np.ndarray, **kw) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="JPEG", quality=90, **kw)
-    return buf.getvalue()
-
-
-def _jpeg_declare_height(jpg: bytes, height: int) -> bytes:
-    pos = 2
-    while jpg[pos + 1] not in (0xC0, 0xC1, 0xC2):          # to the start-of-frame segment
-        pos += 2 + struct.unpack(">H", jpg[pos + 2:pos + 4])[0]
-    return jpg[:pos + 5] + struct.pack(">H", height) + jpg[pos + 7:]
-
+# Hostile files (tests/hostile.py) made from valid ones: a PNG whose header declares more rows than
+# its zlib stream holds (Pillow decodes it without an error or a warning, the missing rows black),
+# JPEGs cut short or declaring more rows than their scan holds (libjpeg fills grey and only warns).
 
 def _png_modes() -> dict[str, bytes]:
     rng = np.random.default_rng(5)
@@ -177,7 +131,7 @@ def test_png_declaring_more_rows_than_its_data_is_rejected(mode):
         w, h = im.size
     assert images.decode_grey(png, name="ok.png").shape == (h, w)
     for extra in (1, 3 * h):
-        taller = _declare_height(png, h + extra)
+        taller = hostile.png_declaring_height(png, h + extra)
         with Image.open(io.BytesIO(taller)) as im:     # what Pillow alone does with it: no error, black rows
             im.load()
             assert im.size == (w, h + extra)
@@ -190,14 +144,14 @@ def test_png_declaring_more_rows_than_its_data_is_rejected(mode):
 @pytest.mark.parametrize("shape", [(16, 16), (17, 13), (2, 9), (1, 7), (1, 1)])
 def test_interlaced_png_complete_or_rejected(shape):
     grey = np.random.default_rng(1).integers(0, 256, shape, dtype=np.uint8)
-    png = _interlaced_png(grey)
+    png = hostile.interlaced_png(grey)
     with Image.open(io.BytesIO(png)) as im:
         assert im.info.get("interlace") and np.array_equal(np.asarray(im), grey)   # the encoder is right
     assert np.array_equal(images.decode_grey(png, name="adam7.png"), grey)
-    ihdr, idat, iend = _chunks(png)
+    ihdr, idat, iend = hostile.png_chunks(png)
     raw = zlib.decompress(idat[1])
     for cut in sorted({len(raw) - 1, len(raw) // 2, 1}):    # the zlib stream ends early, but ends properly
-        short = _build_png([ihdr, (b"IDAT", zlib.compress(raw[:cut])), iend])
+        short = hostile.build_png([ihdr, (b"IDAT", zlib.compress(raw[:cut])), iend])
         with pytest.raises(images.DecodeError, match="adam7.png"):
             images.decode_grey(short, name="adam7.png")
 
@@ -205,11 +159,11 @@ def test_interlaced_png_complete_or_rejected(shape):
 def test_jpeg_incomplete_or_cut_is_rejected():
     grey = (np.add.outer(np.arange(96), np.arange(128)) % 256).astype(np.uint8)
     for kw in ({}, {"progressive": True}):
-        jpg = _jpeg(grey, **kw)
-        hostile = {"declares more rows": _jpeg_declare_height(jpg, 400),
-                   "scan cut, end marker kept": jpg[:len(jpg) // 2] + b"\xff\xd9",
-                   "cut": jpg[:len(jpg) // 2]}
-        for what, data in hostile.items():
+        jpg = hostile.jpeg(grey, **kw)
+        bad = {"declares more rows": hostile.jpeg_declaring_height(jpg, 400),
+               "scan cut, end marker kept": jpg[:len(jpg) // 2] + b"\xff\xd9",
+               "cut": jpg[:len(jpg) // 2]}
+        for what, data in bad.items():
             with Image.open(io.BytesIO(data)) as im:
                 if what != "cut":
                     im.load()                           # Pillow alone: decoded, the rest grey
@@ -224,7 +178,7 @@ def test_jpeg_draft_decodes_the_pixels_pillow_draft_does(size, shape):
     rng = np.random.default_rng(2)
     rgb = np.asarray(Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(shape[::-1]))
     for arr in (rgb, rgb[..., 0]):
-        jpg = _jpeg(arr)
+        jpg = hostile.jpeg(arr)
         with Image.open(io.BytesIO(jpg)) as im:
             im.draft("L", (size, size))
             expected = np.asarray(im.convert("L"))
@@ -234,13 +188,13 @@ def test_jpeg_draft_decodes_the_pixels_pillow_draft_does(size, shape):
 def test_declared_pixels_are_capped_before_decoding():
     # header and an IDAT of garbage: refused for its declared size, never decoded
     ihdr = struct.pack(">IIBBBBB", 5000, 4000, 8, 0, 0, 0, 0)
-    bomb = _build_png([(b"IHDR", ihdr), (b"IDAT", b"not zlib data"), (b"IEND", b"")])
+    bomb = hostile.build_png([(b"IHDR", ihdr), (b"IDAT", b"not zlib data"), (b"IEND", b"")])
     with pytest.raises(images.DecodeError, match=r"'bomb.png': header declares 5000 x 4000 = 20.0 MP, more than the "
                                                  r"16 MP allowed \(max_image_megapixels\); not decoded"):
         images.decode_grey(bomb, name="bomb.png", max_pixels=16_000_000)
     with pytest.raises(images.DecodeError, match="'bomb.png': OSError: broken data stream"):
         images.decode_grey(bomb, name="bomb.png", max_pixels=20_000_000)    # allowed: then it fails to decode
-    jpg = _jpeg_declare_height(_jpeg(np.zeros((16, 16), np.uint8)), 4001)   # 16 x 4001
+    jpg = hostile.jpeg_declaring_height(hostile.jpeg(np.zeros((16, 16), np.uint8)), 4001)   # 16 x 4001
     with pytest.raises(images.DecodeError, match=r"16 x 4001 = 0.1 MP, more than the 0.05 MP allowed"):
         images.decode_grey(jpg, name="tall.jpg", max_pixels=50_000)
     ok = _png(np.zeros((100, 100), np.uint8))
@@ -256,5 +210,5 @@ def test_only_png_and_jpeg_are_read():
         Image.fromarray(grey).save(buf, format=fmt)
         with pytest.raises(images.DecodeError, match="'x.png': not a PNG or JPEG file"):
             images.decode_grey(buf.getvalue(), name="x.png")
-    jpg_named_png = _jpeg(grey)
+    jpg_named_png = hostile.jpeg(grey)
     assert images.decode_grey(jpg_named_png, name="x.png").shape == (8, 8)   # by content, not name

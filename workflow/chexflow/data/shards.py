@@ -248,9 +248,12 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
     archive count (required for one). An image name found twice in the part is a ``ShardError``
     naming both copies. ``progress``: a tqdm bar (images) on stderr."""
     import webdataset as wds     # imported here: split and gather need no torch (4 s -> 0.7 s per job)
-    key = part_key(name, part, Path(raw_dir), Path(splits_csv), cfg, n_archives)
+    if registry.get(name).generated and n_archives is None:
+        raise ShardError(f"{name}/{part}: a generated release's shard job needs its archive count as configured "
+                         "(write_part(n_archives=...), chexflow shards --n-archives), not the archives on disk")
     if part not in (parts := parts_of(name, cfg, n_archives)):
         raise ShardError(f"{name}: no part {part!r}; its parts are {parts}")
+    key = part_key(name, part, Path(raw_dir), Path(splits_csv), cfg, n_archives)
     info = dataset_info(name, Path(raw_dir))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
