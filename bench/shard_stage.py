@@ -108,7 +108,7 @@ def shard_job(raw: Path, splits: Path, out: Path, size: int) -> tuple[int, float
                       val_fraction=0.0, max_reject_fraction=0.0)
     shutil.rmtree(out, ignore_errors=True)
     t0, c0 = time.perf_counter(), time.process_time()
-    m = shards.write_part("nih_demo", "images_001", raw, splits, out, cfg)
+    m = shards.write_part("nih_demo", "images_001", raw, splits, out, cfg, n_archives=1)
     return sum(s["count"] for s in m["shards"]), time.perf_counter() - t0, time.process_time() - c0
 
 

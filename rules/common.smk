@@ -58,8 +58,9 @@ def download_inputs(wildcards):
     return [f"{demo_dir(wildcards.dataset)}/SHA256SUMS"] if wildcards.dataset in DEMO_RELEASES else []
 
 
-def download_args(wildcards):
-    """The generated demo release has as many archives as demo_release says; real sources are fixed."""
+def source_args(wildcards):
+    """The generated demo release has as many archives as demo_release says; real sources are fixed.
+    The download and shard jobs get it from the configuration, never from what is on disk."""
     return f"--n-archives {n_demo_archives(wildcards.dataset)}" if wildcards.dataset in DEMO_RELEASES else ""
 
 

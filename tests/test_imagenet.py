@@ -177,11 +177,11 @@ def test_train_part_interleaves_its_classes(built):
     """Part train_000 holds two classes; its stream alternates between them, not class after class."""
     root = built[0]
     classes = I.train_part_classes("train_000", 2, tuple(WNIDS))
-    order = [w for w, _, _ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
+    order = [w for w, *_ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
     assert sorted(order) == sorted([w for w in classes for _ in range(4)])
     runs = sum(1 for a, b in zip(order, order[1:]) if a != b)
     assert runs >= 2
-    again = [w for w, _, _ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
+    again = [w for w, *_ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
     assert order == again
 
 

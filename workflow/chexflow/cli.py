@@ -66,7 +66,8 @@ def cmd_split(args) -> None:
 def cmd_shards(args) -> None:
     from chexflow.data import shards
     cfg = _load(ShardConfig, args)
-    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, progress=True)
+    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, n_archives=args.n_archives,
+                          progress=True)
     print(f"{cfg.dataset}/{args.part}: {len(m['shards'])} shards, "
           f"{sum(s['count'] for s in m['shards'])} images, {len(m['rejects'])} rejected")
 
@@ -209,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", type=Path, required=True)
     p.add_argument("--splits", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True, help="directory of this part's shards")
+    p.add_argument("--n-archives", type=int, default=None,
+                   help="a generated release (nih_demo*): its number of archives, as configured")
     p.set_defaults(func=cmd_shards)
 
     p = sub.add_parser("gather", help="combine part manifests into the dataset manifest")

@@ -33,7 +33,8 @@ STUDY_SECTIONS = {"evaluate": EvaluateConfig, "scaling": ScalingConfig, "sweep":
                   "ablation": AblationConfig}
 REQUIRED = ("study", "shards", "pretrain", "finetune")
 # ShardConfig fields the workflow sets: the dataset (the section's name) and a pilot subset of the
-# archives (datasets.<name>.archives); train_parts only where the adapter has it (shard_options)
+# archives (datasets.<name>.archives); a dataset's own keys (train_parts, ...) only where its adapter has
+# them (shard_options)
 _SHARD_SET_BY_WORKFLOW = ("dataset", "archives")
 
 
@@ -160,7 +161,8 @@ def _why_stage(dotted: str) -> str:
 def shard_keys_excluded(name: str) -> tuple[str, ...]:
     """ShardConfig keys that ``shards.<name>`` cannot hold."""
     options = registry.get(name).shard_options
-    return _SHARD_SET_BY_WORKFLOW + tuple(k for k in ("train_parts",) if k not in options)
+    specific = sorted({k for d in registry.DATASETS.values() for k in d.shard_options})   # some datasets' own
+    return _SHARD_SET_BY_WORKFLOW + tuple(k for k in specific if k not in options)
 
 
 def _study(config: Mapping[str, Any], p: _Problems) -> StudySection | None:

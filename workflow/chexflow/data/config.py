@@ -52,6 +52,11 @@ class ShardConfig:
     max_missing_fraction: float = setting(0.001, ge=0.0, le=1.0)
     train_parts: int = setting(16, ge=1, le=1000)   # imagenet only: shard jobs for the train archive (class ranges)
     archives: tuple[int, ...] | None = setting(None, **ARCHIVE_NUMBERS)   # nih: a pilot (datasets.nih.archives)
+    # archive datasets (nih*, imagenet: their shard_options): an archive member larger than this is a
+    # reject, skipped without being read; an image whose header declares more pixels is a reject, not
+    # decoded. The defaults fit chest X-ray releases (NIH: 1,024 px PNGs of 0.3-2 MB)
+    max_member_mb: float = setting(16.0, gt=0.0)
+    max_image_megapixels: float = setting(4.0, gt=0.0)
 
 
 @dataclass(frozen=True)
