@@ -95,7 +95,8 @@ def cmd_launch(args) -> None:
 def cmd_evaluate(args) -> None:
     from chexflow.evaluate.run import run
     cfg = _load(EvaluateConfig, args)
-    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir)
+    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir, label_table=args.label_table,
+              boxes=args.boxes, box_frame=args.box_frame, heatmaps=not args.no_heatmaps)
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
@@ -214,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--manifest", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--label-table", type=Path, default=None, help="the release's label table (subgroups)")
+    p.add_argument("--boxes", type=Path, default=None, help="the release's box list (localisation scores)")
+    p.add_argument("--box-frame", type=int, default=None, help="side (px) of the images the boxes refer to")
+    p.add_argument("--no-heatmaps", action="store_true", help="no Grad-CAM (the ablation's runs)")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("scale-point", help="one rank of the scaling study at one world size")

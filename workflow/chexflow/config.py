@@ -163,11 +163,43 @@ class ShardConfig:
 
 
 @dataclass(frozen=True)
+class SaliencyConfig:
+    top_k: int = 3                    # highest-scoring true and false positives shown per finding
+    layer: str = "auto"               # Grad-CAM layer: a backbone stage (layer3, ...) or auto
+    min_side: int = 7                 # auto: the deepest stage with at least this many px a side
+    batch_size: int = 64              # images per Grad-CAM batch
+
+    def __post_init__(self) -> None:
+        _at_least(self, "evaluate.saliency", top_k=0, min_side=1, batch_size=1)
+
+
+@dataclass(frozen=True)
 class EvaluateConfig:
     batch_size: int = 256
     bootstrap_resamples: int = 1000
     seed: int = 0
     crop: int = 64
+    calibration_bins: int = 10        # equal-width probability bins of the reliability diagram and ECE
+    # a threshold chosen on validation is flagged when it rests on fewer positive images or patients
+    min_val_positives: int = 10
+    age_bands: tuple[int, ...] = (18, 40, 60, 80)   # subgroup edges in years: <18, 18-39, ..., >=80
+    min_subgroup_count: int = 5       # a subgroup's AUROC gets a CI from this many positives and negatives
+    saliency: SaliencyConfig = field(default_factory=SaliencyConfig)
+
+    def __post_init__(self) -> None:
+        _at_least(self, "evaluate", batch_size=1, bootstrap_resamples=1, calibration_bins=1, min_val_positives=1,
+                  min_subgroup_count=1)
+        edges = list(self.age_bands)
+        if not edges or edges != sorted(set(edges)) or edges[0] < 1 or edges[-1] > 120:
+            raise ConfigError(f"evaluate.age_bands: expected ascending, distinct ages in 1..120, got {edges}")
+
+
+def _at_least(obj: Any, section: str, **minimum: int) -> None:
+    """Range check of integer settings (``ConfigError`` naming the dotted key)."""
+    for name, low in minimum.items():
+        value = getattr(obj, name)
+        if value < low:
+            raise ConfigError(f"{section}.{name}: must be >= {low}, got {value}")
 
 
 # --------------------------------------------------------------------------- studies around the main run
@@ -216,6 +248,13 @@ class SweepConfig:
 @dataclass(frozen=True)
 class AblationConfig:
     enabled: bool = False             # also fine-tune from the other init, same budget
+    # training seeds per arm (finetune.seed replaced); null: the finetune section's one seed (one run per
+    # arm). Several: one fine-tuning and evaluation per arm and seed, and a verdict over the seeds
+    seeds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.seeds is not None and (not self.seeds or len(set(self.seeds)) != len(self.seeds)):
+            raise ConfigError(f"ablation.seeds: expected a non-empty list of distinct seeds or null, got {list(self.seeds)}")
 
 
 T = TypeVar("T")

@@ -86,6 +86,16 @@ class Dataset:
         """The files of ``source`` the split reads: those with a role in ``split_roles``."""
         return [f for f in source.files if f.role in self.split_roles]
 
+    def evaluation_files(self, source: Source, options: dict) -> dict[str, RemoteFile]:
+        """The files of ``source`` evaluation reads besides the shards, by use: ``label_table`` (the
+        subgroups' fields), ``boxes`` (reference boxes of findings); ``options``: ``datasets.<name>``."""
+        return {}
+
+    def box_frame(self) -> int | None:
+        """The side (px) of the square images the box list's coordinates refer to (None: no box list, or a
+        generated release, whose frame is its own image size)."""
+        return None
+
     # ------------------------------------------------------------------ reading (shard stage)
     def info(self, raw_dir: Path | None = None) -> DatasetInfo:
         """Title, task and labels (labels read from ``raw_dir`` may be empty without it)."""
