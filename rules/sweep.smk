@@ -65,3 +65,5 @@ use rule evaluate_model as evaluate_sweep_winner with:
         "logs/sweep/evaluate.log",
     benchmark:
         "benchmarks/sweep/evaluate.tsv"
+    params:
+        extra="--no-heatmaps",

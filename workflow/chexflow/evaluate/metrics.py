@@ -24,6 +24,7 @@ __all__ = [
     "patient_resample_counts",
     "bootstrap_auroc",
     "paired_bootstrap_auroc_diff",
+    "paired_bootstrap_over_seeds",
     "youden_threshold",
     "operating_point",
     "top1_accuracy",
@@ -268,6 +269,49 @@ def paired_bootstrap_auroc_diff(y_true: np.ndarray, score_a: np.ndarray, score_b
             "n_resamples": n_resamples, "alpha": alpha, "seed": seed, "n_patients": int(counts.shape[1]),
             "n_images": int(y_true.shape[0]), "labels_used": [labels[j] for j in used], "labels": per_label,
             "rule": MEAN_RULE}
+
+
+def paired_bootstrap_over_seeds(y_true: np.ndarray, runs: Sequence[tuple[np.ndarray, np.ndarray]],
+                                groups: Sequence[Any], labels: Sequence[str], *, n_resamples: int = 1000,
+                                seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """The mean-AUROC difference ``A - B`` averaged over training seeds, on the same test images.
+
+    ``runs``: one (score_a, score_b) pair per training seed. Two uncertainties, kept apart:
+    ``ci`` resamples test patients (the same draw for every seed; the per-resample value is the
+    seed-average of each seed's difference over the labels, complete resamples only, ``MEAN_RULE``);
+    ``t_ci`` is the t-interval of the per-seed differences (training randomness; None for one seed).
+    """
+    from scipy import stats
+    if not runs:
+        raise ValueError("paired_bootstrap_over_seeds needs at least one (score_a, score_b) run")
+    y_true, _ = _check_2d(y_true, runs[0][0], labels)
+    per_seed = [paired_bootstrap_auroc_diff(y_true, a, b, groups, labels, n_resamples=1, seed=seed) for a, b in runs]
+    used = per_seed[0]["labels_used"]
+    if any(r["labels_used"] != used for r in per_seed):
+        raise ValueError("the runs define the AUROC on different labels")
+    cols = [labels.index(lab) for lab in used]
+    patient_index, counts = patient_resample_counts(groups, n_resamples, np.random.default_rng(seed))
+    total = np.zeros((n_resamples, len(cols)))
+    for a, b in runs:
+        _, a = _check_2d(y_true, a, labels)
+        _, b = _check_2d(y_true, b, labels)
+        for k, j in enumerate(cols):
+            known = ~np.isnan(y_true[:, j])
+            w = counts[:, patient_index[known]].astype(np.float64)
+            total[:, k] += (_weighted_auroc_batch(y_true[known, j], a[known, j], w)
+                            - _weighted_auroc_batch(y_true[known, j], b[known, j], w))
+    per_resample = _mean_over_complete_resamples(total / len(runs))
+    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
+    diffs = np.array([r["diff"] for r in per_seed])
+    t_ci = None
+    if len(diffs) > 1:
+        half = stats.t.ppf(1.0 - alpha / 2.0, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
+        t_ci = [float(diffs.mean() - half), float(diffs.mean() + half)]
+    return {"diff": float(diffs.mean()), "per_seed": diffs.tolist(),
+            "sd": float(diffs.std(ddof=1)) if len(diffs) > 1 else None,
+            "ci": [float(v) for v in np.percentile(per_resample, q)] if per_resample.size else None,
+            "t_ci": t_ci, "n_seeds": len(runs), "n_resamples_used": int(per_resample.size),
+            "n_resamples": n_resamples, "n_patients": int(counts.shape[1]), "labels_used": used, "rule": MEAN_RULE}
 
 
 # --------------------------------------------------------------------------- thresholds

@@ -141,3 +141,75 @@ def roc_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, tuple[flo
         ax.set_visible(False)
     fig.tight_layout()
     return figure_to_data_uri(fig)
+
+
+def _grid(n: int, ncols: int = 5, size: tuple[float, float] = (2.6, 2.7)) -> tuple[Figure, np.ndarray]:
+    nrows = max(1, math.ceil(n / ncols))
+    fig = Figure(figsize=(size[0] * ncols, size[1] * nrows))
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def pr_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, float]]) -> str:
+    """Precision-recall per label. ``curves[label] = (recall, precision, auprc, prevalence)``; the dashed
+    line is the prevalence, the AUPRC of a model that guesses."""
+    fig, axes = _grid(len(curves))
+    for ax, (label, (recall, precision, auprc, prevalence)) in zip(axes, curves.items()):
+        ax.axhline(prevalence, ls="--", color="#bbbbbb", lw=0.8)
+        ax.step(recall, precision, where="post", color=OURS_COLOR, lw=1.5)
+        ax.set_title(f"{display_name(label)} (AUPRC {auprc:.3f}, prev. {prevalence:.3f})", fontsize=8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.01)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("recall (sensitivity)", fontsize=8)
+        ax.set_ylabel("precision (PPV)", fontsize=8)
+    fig.tight_layout()
+    return figure_to_data_uri(fig)
+
+
+def reliability_grid(bins: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
+    """Reliability diagram per label: fraction positive against mean predicted probability per bin
+    (marker area ~ images in the bin); the diagonal is perfect calibration."""
+    fig, axes = _grid(len(bins))
+    for ax, (label, rows) in zip(axes, bins.items()):
+        ax.plot([0, 1], [0, 1], ls="--", color="#bbbbbb", lw=0.8)
+        if rows:
+            x = [b["mean_predicted"] for b in rows]
+            y = [b["fraction_positive"] for b in rows]
+            n = np.asarray([b["count"] for b in rows], float)
+            ax.plot(x, y, "-", color=OURS_COLOR, lw=1.0)
+            ax.scatter(x, y, s=12 + 80 * n / n.max(), color=OURS_COLOR, zorder=3)
+        ax.set_title(display_name(label), fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.01)
+        ax.set_aspect("equal")
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("mean predicted probability", fontsize=8)
+        ax.set_ylabel("fraction positive", fontsize=8)
+    fig.tight_layout()
+    return figure_to_data_uri(fig)
+
+
+def saliency_row(images: Sequence[np.ndarray], heatmaps: Sequence[np.ndarray], meta: Sequence[Mapping[str, Any]]) -> str:
+    """One finding's gallery: each input (grey, as the model saw it) with its Grad-CAM overlaid, the
+    reference boxes (green) and the heatmap's maximum (the pointing game's point, a cross)."""
+    from matplotlib.patches import Rectangle
+    n = len(images)
+    fig = Figure(figsize=(1.9 * max(n, 1), 2.25))
+    axes = np.atleast_1d(fig.subplots(1, max(n, 1), squeeze=False)).ravel()
+    for ax, img, heat, m in zip(axes, images, heatmaps, meta):
+        ax.imshow(img, cmap="gray", interpolation="nearest")
+        top = float(heat.max())
+        if top > 0:
+            ax.imshow(heat / top, cmap="jet", alpha=0.4, vmin=0, vmax=1, interpolation="bilinear")
+            row, col = np.unravel_index(int(np.argmax(heat)), heat.shape)
+            ax.plot([col], [row], "x", color="white", ms=7, mew=2)
+        for x0, y0, x1, y1 in m.get("boxes", []):
+            ax.add_patch(Rectangle((x0 - 0.5, y0 - 0.5), x1 - x0, y1 - y0, fill=False, ec="#00e000", lw=1.5))
+        ax.set_title(f"{m.get('kind', '')} {m.get('score', float('nan')):.2f}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.tight_layout()
+    return figure_to_data_uri(fig, dpi=80)
