@@ -379,3 +379,25 @@ def test_each_reference_names_its_split():
     assert "official NIH" in published.WANG2017.split and "random" in published.CHEXNET.split
     assert "not the official" in published.ARNOWENG.split and "not the official" in published.ZECH.split
     assert "Wang et al. used the official NIH lists" in published.SPLIT_CAVEAT
+
+
+def test_gain_over_seeds_resamples_patients_once_for_every_seed():
+    """The seed-averaged difference's CI: per resample, each seed's difference averaged over labels
+    (complete resamples only), then over seeds; checked against scikit-learn on expanded samples."""
+    from scipy import stats
+    rng = np.random.default_rng(11)
+    groups = np.repeat(np.arange(30), 2)
+    y = (rng.random((60, 2)) < 0.35).astype(float)
+    runs = [(y + rng.normal(size=y.shape), 0.4 * y + rng.normal(size=y.shape)) for _ in range(3)]
+    res = M.paired_bootstrap_over_seeds(y, runs, groups, ["A", "B"], n_resamples=150, seed=6)
+    diffs = [_resampled_aurocs(y, a, groups, 150, 6) - _resampled_aurocs(y, b, groups, 150, 6) for a, b in runs]
+    complete = ~np.isnan(np.stack(diffs)).any(axis=(0, 2))
+    per = np.mean([d[complete].mean(axis=1) for d in diffs], axis=0)
+    assert res["ci"] == pytest.approx(list(np.percentile(per, [2.5, 97.5])), abs=1e-12)
+    point = [np.mean([roc_auc_score(y[:, j], a[:, j]) - roc_auc_score(y[:, j], b[:, j]) for j in range(2)]) for a, b in runs]
+    assert res["per_seed"] == pytest.approx(point) and res["diff"] == pytest.approx(np.mean(point))
+    lo, hi = stats.t.interval(0.95, 2, loc=np.mean(point), scale=stats.sem(point))
+    assert res["t_ci"] == pytest.approx([lo, hi])
+    one = M.paired_bootstrap_over_seeds(y, runs[:1], groups, ["A", "B"], n_resamples=150, seed=6)
+    assert one["t_ci"] is None and one["ci"] == pytest.approx(
+        M.paired_bootstrap_auroc_diff(y, *runs[0], groups, ["A", "B"], n_resamples=150, seed=6)["ci"])

@@ -188,6 +188,7 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
         "model_epoch": epoch,
         "model_val_metric": _number_or_none(data.get("model_val_metric"), path, "model_val_metric"),
         "model_init": data.get("model_init"),
+        "model_arch": data.get("model_arch"),
         "model_seed": data.get("model_seed"),
         "mean_rule": boot.get("mean_rule"),
         "mean_resamples_used": boot.get("mean_resamples_used"),
