@@ -250,19 +250,29 @@ def report_input_tree():
     }
     runs = [r for r in ablation_runs() if not r.is_main]
     for r in runs:  # the ablation's jobs count in the stage times too
-        tree["benchmarks"][f"finetune_{r.init}_seed{r.seed}"] = f"benchmarks/{r.root.removeprefix('results/')}/train.tsv"
-        tree["benchmarks"][f"evaluate_{r.init}_seed{r.seed}"] = f"benchmarks/{r.root.removeprefix('results/')}/evaluate.tsv"
+        tree["benchmarks"][
+            f"finetune_{r.init}_seed{r.seed}"
+        ] = f"benchmarks/{r.root.removeprefix('results/')}/train.tsv"
+        tree["benchmarks"][
+            f"evaluate_{r.init}_seed{r.seed}"
+        ] = f"benchmarks/{r.root.removeprefix('results/')}/evaluate.tsv"
     if runs:
         tree["ablation"] = {
-            f"{r.init}_seed{r.seed}": {"metrics": f"{r.eval_dir}/metrics.json", "predictions": f"{r.eval_dir}/predictions.csv",
-                                       "training": f"{r.train_dir}/metrics.jsonl"}
+            f"{r.init}_seed{r.seed}": {
+                "metrics": f"{r.eval_dir}/metrics.json",
+                "predictions": f"{r.eval_dir}/predictions.csv",
+                "training": f"{r.train_dir}/metrics.jsonl",
+            }
             for r in ablation_runs()
         }
     if study_enabled("scaling"):
         tree["scaling"] = {"table": "results/scaling/scaling.csv", "plot": "results/scaling/scaling.png"}
     if study_enabled("sweep"):
-        tree["sweep"] = {"table": "results/sweep/trials.csv", "selection": "results/sweep/selection.json",
-                         "metrics": "results/sweep/evaluate/metrics.json"}
+        tree["sweep"] = {
+            "table": "results/sweep/trials.csv",
+            "selection": "results/sweep/selection.json",
+            "metrics": "results/sweep/evaluate/metrics.json",
+        }
     return tree
 
 

@@ -309,7 +309,7 @@ def test_load_checksums_formats(tmp_path):
 
 def _demo_release(d: Path, n: int) -> dict[str, bytes]:
     files = {nih.archive_name(i): _payload(200_000 + i, seed=i) for i in range(1, n + 1)}
-    files.update({t: f"{t}\n".encode() for t in nih.NIH_TABLES})
+    files.update({t: f"{t}\n".encode() for t in (*nih.NIH_TABLES, nih.BOX_LIST_NAME)})
     for k, v in files.items():
         (d / k).write_bytes(v)
     (d / "SHA256SUMS").write_text("".join(f"{_sha(v)}  {k}\n" for k, v in files.items()))
@@ -390,7 +390,7 @@ def test_nih_demo_and_imagenet_registry():
     demo = S.get_source("nih_demo", n_archives=4)
     assert demo.synthetic and demo.checksums_file == "SHA256SUMS"
     assert [a.name for a in S.archives(demo)] == [f"images_{i:03d}.tar.gz" for i in range(1, 5)]
-    assert S.file_names(demo)[4:] == list(nih.NIH_TABLES)
+    assert S.file_names(demo)[4:] == [*nih.NIH_TABLES, nih.BOX_LIST_NAME]
     with pytest.raises(ValueError, match="n_archives"):
         S.get_source("nih_demo")
     inet = S.get_source("imagenet")

@@ -221,9 +221,9 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
     with FileServer(mirror.root) as srv:
         # a declared pilot on archives 1 and 2: only they are downloaded and sharded
         jobs, html, manifest, metrics = _run(work, _study_config(srv.base_url, [1, 2]))
-        assert jobs["download_file"] == 4 + 2 + 3 and jobs["write_shards"] == 2 + 2
+        assert jobs["download_file"] == 4 + 2 + 4 and jobs["write_shards"] == 2 + 2
         fetched = sorted({r.path for r in srv.requests if r.status in (200, 206)})
-        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *nih.NIH_TABLES])
+        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *nih.NIH_TABLES, nih.BOX_LIST_NAME])
         cov = manifest["coverage"]
         assert cov["pilot"] and (cov["n_listed"], cov["n_found"], cov["n_missing"]) == (360, 60, 300)
         assert sum(s["n_images"] for s in manifest["splits"].values()) == 60
@@ -253,3 +253,14 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
         published.CHEXNET.mean_over(metrics["mean_auroc_labels"]))
     auroc = pd.read_csv(work / "results/evaluate/auroc.csv").set_index("label")
     assert auroc.loc["mean", "chexnet"] == pytest.approx(metrics["chexnet_mean_same_labels"], abs=1e-4)
+    # the box list went through the release's path: boxes in 1,024 px frames, scored at the 32 px input
+    loc = metrics["localisation"]
+    assert loc["boxes"]["frame"] == nih.PNG_SIDE and loc["boxes"]["stored"] == 32 and loc["crop"] == 32
+    test = pd.read_csv(work / "results/evaluate/predictions.csv").set_index("image")
+    boxes = nih.read_box_list(mirror.root / nih.BOX_LIST_NAME)
+    boxes = boxes[boxes["image"].isin(test.index)]
+    boxed = {(r.image, r.label) for r in boxes.itertuples() if test.loc[r.image, r.label] == 1}
+    assert loc["boxes"]["n_test_boxes"] == len(boxes) and sum(e["n"] for e in loc["labels"].values()) == len(boxed) > 0
+    assert 'id="localisation-table"' in html and 'id="subgroup-table"' in html
+    card = (work / "results/finetune/model_card.md").read_text()
+    assert "NIH ChestX-ray14" in card and "SYNTHETIC" not in card
