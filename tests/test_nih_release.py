@@ -264,3 +264,19 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
     assert 'id="localisation-table"' in html and 'id="subgroup-table"' in html
     card = (work / "results/finetune/model_card.md").read_text()
     assert "NIH ChestX-ray14" in card and "SYNTHETIC" not in card
+
+
+def test_box_list_is_optional(tmp_path):
+    """datasets.nih.boxes: false leaves BBox_List_2017.csv out of the downloads and the evaluation (heatmaps
+    are drawn, not scored); by default the evaluation gets it with the release's 1,024 px frame."""
+    cfg = _study_config("http://127.0.0.1:1/", None)
+    for boxes, want in ((True, True), (False, False)):
+        cfg["datasets"]["nih"]["boxes"] = boxes
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+        dry = snakemake(tmp_path, "-n", "-p", "--configfile", str(tmp_path / "config.yaml"), "--",
+                        "results/evaluate/metrics.json")
+        assert dry.returncode == 0, dry.stderr[-3000:]
+        evaluate = dry.stdout.split("rule evaluate_model:", 1)[1].split("\n\n", 1)[0]
+        assert ("--boxes data/raw/nih/BBox_List_2017.csv --box-frame 1024" in evaluate) == want
+        assert ("data/raw/nih/BBox_List_2017.csv" in dry.stdout) == want
+        assert "--label-table data/raw/nih/Data_Entry_2017_v2020.csv" in evaluate

@@ -23,7 +23,8 @@ import numpy as np
 
 from chexflow.evaluate.metrics import proportion_ci
 
-HEATMAP_LEVEL = 0.5        # the detected box: the heatmap at or above half its maximum (Wang et al. tried 60/255..180/255)
+# the detected box: the heatmap at or above half its maximum (Wang et al. tried 60/255 to 180/255)
+HEATMAP_LEVEL = 0.5
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ def box_mask(boxes: Sequence[tuple[float, float, float, float]], side: int) -> n
     centres = np.arange(side) + 0.5
     mask = np.zeros((side, side), bool)
     for x0, y0, x1, y1 in boxes:
-        mask |= ((centres[:, None] >= y0) & (centres[:, None] <= y1)) & ((centres[None, :] >= x0) & (centres[None, :] <= x1))
+        rows = (centres >= y0) & (centres <= y1)
+        cols = (centres >= x0) & (centres <= x1)
+        mask |= rows[:, None] & cols[None, :]
     return mask
 
 

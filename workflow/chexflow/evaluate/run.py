@@ -71,7 +71,8 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
               "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
               "n_patients": int(len(set(patients))), "model": str(model_path),
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
-              "model_arch": info.get("arch"), "model_init": (info.get("config") or {}).get("init"), "model_seed": (info.get("config") or {}).get("seed"),
+              "model_arch": info.get("arch"), "model_init": (info.get("config") or {}).get("init"),
+              "model_seed": (info.get("config") or {}).get("seed"),
               "bootstrap": {"n_resamples": cfg.bootstrap_resamples, "seed": cfg.seed,
                             "mean_auroc_ci": boot.get("mean_auroc_ci"),
                             "mean_resamples_used": boot["mean_auroc"]["n_resamples_used"],
@@ -231,12 +232,14 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
         {"label": L, "auprc": e.get("auprc"), "prevalence": e.get("prevalence"),
          "brier": (e.get("calibration") or {}).get("brier"), "ece": (e.get("calibration") or {}).get("ece"),
          "threshold_val_youden": e.get("threshold_val_youden"), "val_positives": e["val_positives"],
-         "val_positive_patients": e["val_positive_patients"], "threshold_few_positives": e.get("threshold_few_positives"),
+         "val_positive_patients": e["val_positive_patients"],
+         "threshold_few_positives": e.get("threshold_few_positives"),
          **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")}}
         for L, e in result["labels"].items()])
     _csv(out_dir / "subgroups.csv", [
         {"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
-         "label": L, "auroc": e["auroc"], "ci_low": (e["ci"] or [None, None])[0], "ci_high": (e["ci"] or [None, None])[1],
+         "label": L, "auroc": e["auroc"], "ci_low": (e["ci"] or [None, None])[0],
+         "ci_high": (e["ci"] or [None, None])[1],
          "n_pos": e["n_pos"], "n_neg": e["n_neg"], "note": e["note"]}
         for g in (result.get("subgroups") or {}).get("groups", []) for L, e in g["labels"].items()])
     if heat["summary"] is not None:

@@ -78,7 +78,8 @@ def subgroup_aurocs(y: np.ndarray, s: np.ndarray, patients: np.ndarray, labels: 
             out.append(_group(attr, group, y[sel], s[sel], patients[sel], labels, min_count, n_resamples, seed))
         out.append({"attribute": attr, "group": "unknown", "n_images": int(pd.isna(fields[attr]).sum()),
                     "n_patients": int(len(set(patients[pd.isna(fields[attr]).to_numpy()]))), "mean_auroc": None,
-                    "mean_ci": None, "mean_labels": [], "labels": {}, "note": "not in any group (field missing or invalid)"})
+                    "mean_ci": None, "mean_labels": [], "labels": {},
+                    "note": "not in any group (field missing or invalid)"})
     return out
 
 
@@ -103,8 +104,9 @@ def _group(attr: str, group: str, y: np.ndarray, s: np.ndarray, patients: np.nda
             why = "one class only"
         else:
             why = f"too few for a CI ({int(pos[j])} pos / {int(neg[j])} neg)"
-        entry["labels"][label] = {"auroc": point[label], "ci": boot["labels"][label]["ci"] if boot and not why else None,
-                                  "n_pos": int(pos[j]), "n_neg": int(neg[j]), "note": why}
+        ci = boot["labels"][label]["ci"] if boot and not why else None
+        entry["labels"][label] = {"auroc": point[label], "ci": ci, "n_pos": int(pos[j]), "n_neg": int(neg[j]),
+                                  "note": why}
     if boot:
         entry.update(mean_auroc=boot["mean_auroc"]["auroc"], mean_ci=boot["mean_auroc_ci"], mean_labels=sub)
     else:

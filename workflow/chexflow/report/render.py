@@ -609,7 +609,8 @@ def check_inputs(tree: Any) -> dict[str, Any]:
     """The report's inputs (``INPUTS``) with every file as a ``Path``; an unknown section or name, a
     missing required input or a value that is not a path fails naming it."""
     if not isinstance(tree, dict):
-        raise ReportInputError(f"report inputs: expected an object of sections {list(INPUTS)}, got {type(tree).__name__}")
+        raise ReportInputError(f"report inputs: expected an object of sections {list(INPUTS)}, "
+                               f"got {type(tree).__name__}")
     out: dict[str, Any] = {}
     for section, files in tree.items():
         if section not in INPUTS:
@@ -644,7 +645,8 @@ def _run_files(run: str, files: Any) -> dict[str, Path]:
 
 # --------------------------------------------------------------------------- ablation
 def _arm_name(init: str) -> str:
-    return {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}.get(init, init)
+    names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}
+    return names.get(init, init)
 
 
 def _ablation_view(runs: dict[str, dict[str, Path]], labels: list[str], config: dict,
@@ -669,20 +671,20 @@ def _ablation_view(runs: dict[str, dict[str, Path]], labels: list[str], config: 
     ref = by[("pretrained", seeds[0])]["predictions"]
     pairs = [(_aligned(ref, by[("pretrained", s)]), _aligned(ref, by[("random", s)])) for s in seeds]
     y = ref[labels].to_numpy(float)
-    scores = [(p[[f"{lab}_score" for lab in labels]].to_numpy(float), r[[f"{lab}_score" for lab in labels]].to_numpy(float))
-              for p, r in pairs]
+    cols = [f"{lab}_score" for lab in labels]
+    scores = [(p[cols].to_numpy(float), r[cols].to_numpy(float)) for p, r in pairs]
     per_seed = []
     for s_, (a, b) in zip(seeds, scores):
         res = paired_bootstrap_auroc_diff(y, a, b, ref["patient"].to_numpy(), labels, **boot)
-        per_seed.append({**res, "seed": s_, **_verdict(res["ci"]),
-                         "epochs": {init: by[(init, s_)]["metrics"]["model_epoch"] for init in ("pretrained", "random")}})
+        epochs = {init: by[(init, s_)]["metrics"]["model_epoch"] for init in ("pretrained", "random")}
+        per_seed.append({**res, "seed": s_, **_verdict(res["ci"]), "epochs": epochs})
     over = paired_bootstrap_over_seeds(y, scores, ref["patient"].to_numpy(), labels, **boot) if len(seeds) > 1 else None
     first = per_seed[0]
     main_seed = main_metrics.get("model_seed")
     main_init = main_metrics.get("model_init") or "pretrained"
     other = next((r for r in loaded if r["init"] != main_init and r["seed"] == main_seed), None)
-    rows = [{"name": _arm_name(r["init"]), "init": r["init"], "seed": r["seed"], "mean_auroc": r["metrics"]["mean_auroc"],
-             "ci": r["metrics"]["mean_auroc_ci"], "epoch": r["metrics"]["model_epoch"],
+    rows = [{"name": _arm_name(r["init"]), "init": r["init"], "seed": r["seed"],
+             "mean_auroc": r["metrics"]["mean_auroc"], "ci": r["metrics"]["mean_auroc_ci"], "epoch": r["metrics"]["model_epoch"],
              "n_epochs": len(r["epochs"]), "where": str(r["files"]["metrics"].parent)}
             for r in sorted(loaded, key=lambda r: (r["seed"], r["init"] != "pretrained"))]
     return {
@@ -719,8 +721,7 @@ def _verdict(ci: list | None, t_ci: list | None = None) -> dict[str, Any]:
 def _calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: list[str]) -> dict[str, Any] | None:
     raw = metrics["raw_labels"]
     rows = [{"display": plots.display_name(lab), "auprc": raw[lab].get("auprc"), "prevalence": raw[lab].get("prevalence"),
-             "brier": (raw[lab].get("calibration") or {}).get("brier"), "ece": (raw[lab].get("calibration") or {}).get("ece")}
-            for lab in labels]
+             **{k: (raw[lab].get("calibration") or {}).get(k) for k in ("brier", "ece")}} for lab in labels]
     if all(r["auprc"] is None for r in rows):
         return None
     curves = {}
@@ -733,7 +734,8 @@ def _calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: 
                 curves[lab] = (np.asarray(pr["recall"]), np.asarray(pr["precision"]), pr["auprc"], pr["prevalence"])
     bins = {lab: (raw[lab].get("calibration") or {}).get("bins") for lab in labels if raw[lab].get("calibration")}
     return {"rows": rows, "pr_plot": plots.pr_grid(curves) if curves else None,
-            "reliability_plot": plots.reliability_grid(bins) if bins else None, "n_bins": metrics.get("calibration_bins")}
+            "reliability_plot": plots.reliability_grid(bins) if bins else None,
+            "n_bins": metrics.get("calibration_bins")}
 
 
 def _subgroup_view(metrics: dict[str, Any]) -> dict[str, Any] | None:
@@ -769,7 +771,8 @@ def _gallery(path: Path, labels: list[str]) -> list[dict[str, Any]]:
         raise ReportInputError(f"saliency gallery not found: {path}")
     try:
         with np.load(path, allow_pickle=False) as z:
-            inputs, heat, meta = z["inputs"].astype(np.float32), z["heatmaps"].astype(np.float32), json.loads(str(z["meta"]))
+            inputs, heat = z["inputs"].astype(np.float32), z["heatmaps"].astype(np.float32)
+            meta = json.loads(str(z["meta"]))
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         raise ReportInputError(f"{path}: not a saliency gallery of chexflow evaluate ({exc})") from exc
     if not (len(meta) == len(inputs) == len(heat)):
