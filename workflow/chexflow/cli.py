@@ -39,7 +39,8 @@ def cmd_make_demo_release(args) -> None:
                          f"(those are: {', '.join(n for n, d in registry.DATASETS.items() if getattr(d, 'generated', False))})")
     info = make_release(args.out, n_images=cfg.n_images, image_size=cfg.image_size,
                         images_per_archive=cfg.images_per_archive, test_fraction=cfg.test_fraction,
-                        seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True)
+                        seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True,
+                        boxes=dataset.has_boxes)
     print(info)
 
 

@@ -144,12 +144,14 @@ def release_source(n_archives: int | None) -> Source:
                   files=archives + _nih_tables() + (_box_list(),), how_to_obtain=_NIH_HOW)
 
 
-def demo_source(n_archives: int | None, name: str = "nih_demo") -> Source:
+def demo_source(n_archives: int | None, name: str = "nih_demo", *, boxes: bool = True) -> Source:
+    """A generated release's files (``boxes``: with its box list; a pretraining corpus has none)."""
     n = _check_n_archives(name, n_archives, None)
     archives = tuple(RemoteFile(archive_name(i), None, role="archive") for i in range(1, n + 1))
     return Source(
         name=name, title="Synthetic phantom release in the NIH ChestX-ray14 layout",
-        files=archives + _nih_tables() + (_box_list(),), checksums_file="SHA256SUMS", synthetic=True,
+        files=archives + _nih_tables() + ((_box_list(),) if boxes else ()), checksums_file="SHA256SUMS",
+        synthetic=True,
         how_to_obtain="The phantom release is generated locally (chexflow.data.phantoms); "
                       "pass the directory it was written to as the mirror.")
 
@@ -462,15 +464,21 @@ class NIHDataset(Dataset):
     def evaluation_files(self, source: Source, options: dict) -> dict[str, RemoteFile]:
         """The label table (subgroups) and, unless ``datasets.nih.boxes: false``, the box list."""
         files = {"label_table": next(f for f in source.files if f.role == "labels")}
-        if self.generated or options.get("boxes", True):
+        if self.has_boxes and (self.generated or options.get("boxes", True)):
             files["boxes"] = source.file(BOX_LIST_NAME)
         return files
 
     def box_frame(self) -> int | None:
         return None if self.generated else PNG_SIDE
 
+    @property
+    def has_boxes(self) -> bool:
+        """Whether the release has a box list: the real one, and a generated release of fine-tuning data
+        (evaluated with localisation); a generated pretraining corpus is never evaluated: none."""
+        return not self.generated or self.stage == "finetune"
+
     def source(self, n_archives: int | None = None) -> Source:
-        return demo_source(n_archives, self.name) if self.generated else release_source(n_archives)
+        return demo_source(n_archives, self.name, boxes=self.has_boxes) if self.generated else release_source(n_archives)
 
     def source_in(self, raw_dir: Path) -> Source:
         if not self.generated:
