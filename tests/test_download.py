@@ -380,7 +380,9 @@ def test_nih_registry():
     assert all(a.url.startswith("https://nihcc.box.com/shared/static/") and a.url.endswith(".gz") for a in arch)
     assert arch[0].md5 == "fe8ed0a6961412fddcbb3603c11b3698" and arch[-1].md5 == "dc9fda1757c2de0032b63347a7d2895c"
     assert {f.name: f.role for f in src.files if f.role != "archive"} == {
-        "Data_Entry_2017_v2020.csv": "labels", "train_val_list.txt": "split_list", "test_list.txt": "split_list"}
+        "Data_Entry_2017_v2020.csv": "labels", "train_val_list.txt": "split_list", "test_list.txt": "split_list",
+        "BBox_List_2017.csv": "boxes"}
+    assert src.file("BBox_List_2017.csv").url is None and src.file("BBox_List_2017.csv").sha256 is None  # recorded
     # the real release always has its 12 archives; a pilot is declared in the config, not by cutting the source
     with pytest.raises(ValueError, match=r"always has its 12 archives.*datasets\.nih\.archives"):
         S.get_source("nih", n_archives=3)
