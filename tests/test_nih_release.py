@@ -280,3 +280,12 @@ def test_box_list_is_optional(tmp_path):
         assert ("--boxes data/raw/nih/BBox_List_2017.csv --box-frame 1024" in evaluate) == want
         assert ("data/raw/nih/BBox_List_2017.csv" in dry.stdout) == want
         assert "--label-table data/raw/nih/Data_Entry_2017_v2020.csv" in evaluate
+
+
+def test_shard_job_of_a_generated_release_sees_its_archive_before_the_others(tmp_path):
+    """A shard job starts when its own archive is downloaded: the others may not be there yet."""
+    from chexflow.data import registry
+    (tmp_path / "images_002.tar.gz").write_bytes(b"")
+    source = registry.get("nih_demo").source_in(tmp_path)
+    files = registry.get("nih_demo").part_files(source, "images_002")
+    assert [f.name for f in files] == ["images_002.tar.gz", nih.LABEL_CSV_NAME]

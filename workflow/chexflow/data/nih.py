@@ -483,7 +483,11 @@ class NIHDataset(Dataset):
     def source_in(self, raw_dir: Path) -> Source:
         if not self.generated:
             return self.source()
-        return self.source(max(1, len(list(Path(raw_dir).glob("images_[0-9][0-9][0-9].tar.gz")))))
+        # the highest archive number present, not how many are: a shard job runs as soon as its own
+        # archive is downloaded, maybe before the others (counting them raced: images_002's job saw
+        # one archive and a source without images_002)
+        numbers = [int(p.name[7:10]) for p in Path(raw_dir).glob("images_[0-9][0-9][0-9].tar.gz")]
+        return self.source(max(numbers, default=1))
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
         """``images_001`` ... one per archive: ``n_archives`` of a generated release, else the
