@@ -6,6 +6,7 @@ import sys
 
 from chexflow.config import resolved_config, stage_settings
 from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
+from chexflow.studies import ablation as _ablation
 from chexflow.studies import sweep as _sweep
 from chexflow.train import config as _train
 
@@ -151,8 +152,7 @@ def study_targets():
         targets.append("results/scaling/scaling.csv")
     if study_enabled("sweep"):
         targets.append("results/sweep/evaluate/metrics.json")
-    if study_enabled("ablation"):
-        targets.append("results/ablation/evaluate/metrics.json")
+    targets += [f"{r.eval_dir}/metrics.json" for r in ablation_runs() if not r.is_main]
     return targets
 
 
@@ -201,37 +201,101 @@ def pretrained_arg(wildcards, input):
     return f"--pretrained {input.pretrained}" if "pretrained" in input.keys() else ""
 
 
-STUDY_REPORT_INPUTS = {
-    "scaling": {"scaling_csv": "results/scaling/scaling.csv", "scaling_plot": "results/scaling/scaling.png"},
-    "sweep": {
-        "sweep_table": "results/sweep/trials.csv",
-        "sweep_selection": "results/sweep/selection.json",
-        "sweep_metrics": "results/sweep/evaluate/metrics.json",
-    },
-    "ablation": {
-        "ablation_metrics": "results/ablation/evaluate/metrics.json",
-        "ablation_predictions": "results/ablation/evaluate/predictions.csv",
-    },
-}
+def seed_inputs(wildcards):
+    """Input function of finetune_seed and evaluate_seed: the data and, for the pretrained arm, the
+    pretraining model."""
+    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(wildcards.init)}
 
 
-def report_study_inputs(wildcards):
-    """Named inputs of the report's study sections, only for the studies switched on."""
-    return {k: v for study, files in STUDY_REPORT_INPUTS.items() if study_enabled(study) for k, v in files.items()}
+def seed_config_json(wildcards):
+    """The finetune section of one ablation run: its arm's init and its training seed."""
+    return train_config_json("finetune", init=wildcards.init, seed=int(wildcards.seed))
 
 
-def report_manifest_args():
-    """`chexflow report`'s --manifest NAME=PATH options for the pretraining and fine-tuning data."""
-    return " ".join(f"--manifest {d}={manifest(d)}" for d in (PRETRAIN_DATASET, FINETUNE_DATASET))
+def ablation_runs():
+    """The ablation's (arm, seed) runs when it is switched on (chexflow.studies.ablation.runs)."""
+    return _ablation.study_runs(STUDY)
 
 
-def report_benchmark_args():
-    """`chexflow report`'s --benchmark STAGE=TSV options: the main chain's training and evaluation."""
-    jobs = {"pretrain": rules.pretrain_model, "finetune": rules.finetune_model, "evaluate": rules.evaluate_model}
-    return " ".join(f"--benchmark {stage}={job.benchmark}" for stage, job in jobs.items())
+# ------------------------------------------------------------------ evaluation
+def evaluation_inputs(wildcards):
+    """Named inputs of evaluate_model besides the model: finetune_inputs (the shards' manifest, the
+    pretraining model the run id depends on) and the release's label table (subgroups) and box list
+    (localisation) where the dataset has them."""
+    ds = FINETUNE_DATASET
+    source = STUDY.sources.get(ds)
+    files = _registry.get(ds).evaluation_files(source_of(ds), boxes=source.boxes if source else True)
+    return {**finetune_inputs(wildcards), **{k: f"data/raw/{ds}/{f.name}" for k, f in files.items()}}
 
 
-def report_study_args():
-    """The matching `chexflow report` options (--scaling-csv PATH ...)."""
-    inputs = report_study_inputs(None)
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in inputs.items())
+def box_frame(dataset):
+    """The side (px) of the images the box list refers to: a generated release's own image size."""
+    if dataset in DEMO_RELEASES:
+        return STUDY.releases[dataset].image_size
+    return _registry.get(dataset).box_frame()
+
+
+def evaluation_args(wildcards, input):
+    """Params function: `--label-table`, `--boxes`/`--box-frame` for the inputs evaluate_model has."""
+    args = [f"--label-table {input.label_table}"] if "label_table" in input.keys() else []
+    if "boxes" in input.keys():
+        args.append(f"--boxes {input.boxes} --box-frame {box_frame(FINETUNE_DATASET)}")
+    return " ".join(args)
+
+
+# ------------------------------------------------------------------ the report's inputs: one structure
+def report_input_tree():
+    """Everything the report reads, as one structure of paths (`chexflow report --inputs-json`): the
+    rule's named inputs are its leaves (report_inputs). A new report input is added here only; the
+    renderer shows a section for what is there."""
+    main = {"pretrain": rules.pretrain_model, "finetune": rules.finetune_model, "evaluate": rules.evaluate_model}
+    tree = {
+        "evaluation": {k: rules.evaluate_model.output[k] for k in ("metrics", "predictions", "saliency")},
+        "training": {"pretrain": rules.pretrain_model.output.metrics, "finetune": rules.finetune_model.output.metrics},
+        "manifests": {"pretrain": manifest(PRETRAIN_DATASET), "finetune": manifest(FINETUNE_DATASET)},
+        "benchmarks": {stage: job.benchmark for stage, job in main.items()},
+    }
+    runs = [r for r in ablation_runs() if not r.is_main]
+    for r in runs:  # the ablation's jobs count in the stage times too
+        tree["benchmarks"][
+            f"finetune_{r.init}_seed{r.seed}"
+        ] = f"benchmarks/{r.root.removeprefix('results/')}/train.tsv"
+        tree["benchmarks"][
+            f"evaluate_{r.init}_seed{r.seed}"
+        ] = f"benchmarks/{r.root.removeprefix('results/')}/evaluate.tsv"
+    if runs:
+        tree["ablation"] = {
+            f"{r.init}_seed{r.seed}": {
+                "metrics": f"{r.eval_dir}/metrics.json",
+                "predictions": f"{r.eval_dir}/predictions.csv",
+                "training": f"{r.train_dir}/metrics.jsonl",
+            }
+            for r in ablation_runs()
+        }
+    if study_enabled("scaling"):
+        tree["scaling"] = {"table": "results/scaling/scaling.csv", "plot": "results/scaling/scaling.png"}
+    if study_enabled("sweep"):
+        tree["sweep"] = {
+            "table": "results/sweep/trials.csv",
+            "selection": "results/sweep/selection.json",
+            "metrics": "results/sweep/evaluate/metrics.json",
+        }
+    return tree
+
+
+def _leaves(tree, prefix=""):
+    for key, value in tree.items():
+        name = f"{prefix}__{key}" if prefix else key
+        if isinstance(value, dict):
+            yield from _leaves(value, name)
+        else:
+            yield name, str(value)
+
+
+def report_inputs(wildcards):
+    """Named inputs of render_report: the leaves of report_input_tree."""
+    return dict(_leaves(report_input_tree()))
+
+
+def report_inputs_json(wildcards):
+    return json.dumps(report_input_tree())

@@ -68,3 +68,4 @@ use rule evaluate_model as evaluate_sweep_winner with:
         "benchmarks/sweep/evaluate.tsv"
     params:
         trials=sweep_trials_arg(),
+        extra="--no-heatmaps",

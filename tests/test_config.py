@@ -197,7 +197,12 @@ BAD = [
      r"finetune\.freeze: 3 is not <= finetune\.transfer_stages \(2\)"),
     # evaluate
     ({"evaluate.bootstrap_resamples": 0}, r"evaluate\.bootstrap_resamples: 0 is not >= 1"),
-    ({"evaluate.crop": 32}, r"evaluate\.crop: unknown key; known: batch_size, bootstrap_resamples, seed"),
+    ({"evaluate.calibration_bins": 0}, r"evaluate\.calibration_bins: 0 is not in \[1, 100\]"),
+    ({"evaluate.age_bands": [60, 18]}, r"evaluate\.age_bands: \[60, 18\] is not a non-empty ascending list of ages"),
+    ({"evaluate.saliency.top_k": -1}, r"evaluate\.saliency\.top_k: -1 is not >= 0"),
+    ({"ablation.seeds": []}, r"ablation\.seeds: \[\] lists no seed"),
+    ({"evaluate.crop": 32}, r"evaluate\.crop: unknown key; known: age_bands, batch_size, bootstrap_resamples, "
+     r"calibration_bins, min_subgroup_count, min_val_positives, saliency, seed"),
     # scaling
     ({"scaling.world_sizes": [1, 1]}, r"scaling\.world_sizes: \[1, 1\] lists a value twice"),
     ({"scaling.world_sizes": [0, 2]}, r"scaling\.world_sizes\[0\]: 0 is not >= 1"),
@@ -473,6 +478,7 @@ def test_the_dead_key_check_catches_a_new_unread_setting():
     evaluate.crop would be again."""
     from chexflow.evaluate.config import EvaluateConfig
     planted = [("training.optim.betas", OptimConfig, "betas"), ("evaluate.workers", EvaluateConfig, "workers"),
-               ("evaluate.crop", EvaluateConfig, "crop"), ("scaling.seed", C.STUDY_SECTIONS["scaling"], "seed")]
-    assert unread(planted) == ["training.optim.betas", "evaluate.workers", "evaluate.crop", "scaling.seed"]
+               ("evaluate.crop", EvaluateConfig, "crop"),
+               ("scaling.shuffle_buffer", C.STUDY_SECTIONS["scaling"], "shuffle_buffer")]
+    assert unread(planted) == ["training.optim.betas", "evaluate.workers", "evaluate.crop", "scaling.shuffle_buffer"]
     assert unread([("evaluate.seed", EvaluateConfig, "seed")]) == []

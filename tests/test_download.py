@@ -309,7 +309,7 @@ def test_load_checksums_formats(tmp_path):
 
 def _demo_release(d: Path, n: int) -> dict[str, bytes]:
     files = {nih.archive_name(i): _payload(200_000 + i, seed=i) for i in range(1, n + 1)}
-    files.update({t: f"{t}\n".encode() for t in nih.NIH_TABLES})
+    files.update({t: f"{t}\n".encode() for t in (*nih.NIH_TABLES, nih.BOX_LIST_NAME)})
     for k, v in files.items():
         (d / k).write_bytes(v)
     (d / "SHA256SUMS").write_text("".join(f"{_sha(v)}  {k}\n" for k, v in files.items()))
@@ -380,7 +380,9 @@ def test_nih_registry():
     assert all(a.url.startswith("https://nihcc.box.com/shared/static/") and a.url.endswith(".gz") for a in arch)
     assert arch[0].md5 == "fe8ed0a6961412fddcbb3603c11b3698" and arch[-1].md5 == "dc9fda1757c2de0032b63347a7d2895c"
     assert {f.name: f.role for f in src.files if f.role != "archive"} == {
-        "Data_Entry_2017_v2020.csv": "labels", "train_val_list.txt": "split_list", "test_list.txt": "split_list"}
+        "Data_Entry_2017_v2020.csv": "labels", "train_val_list.txt": "split_list", "test_list.txt": "split_list",
+        "BBox_List_2017.csv": "boxes"}
+    assert src.file("BBox_List_2017.csv").url is None and src.file("BBox_List_2017.csv").sha256 is None  # recorded
     # the real release always has its 12 archives; a pilot is declared in the config, not by cutting the source
     with pytest.raises(ValueError, match=r"always has its 12 archives.*datasets\.nih\.archives"):
         registry.get_source("nih", n_archives=3)
@@ -390,7 +392,7 @@ def test_nih_demo_and_imagenet_registry():
     demo = registry.get_source("nih_demo", n_archives=4)
     assert demo.synthetic and demo.checksums_file == "SHA256SUMS"
     assert [a.name for a in S.archives(demo)] == [f"images_{i:03d}.tar.gz" for i in range(1, 5)]
-    assert S.file_names(demo)[4:] == list(nih.NIH_TABLES)
+    assert S.file_names(demo)[4:] == [*nih.NIH_TABLES, nih.BOX_LIST_NAME]
     with pytest.raises(ValueError, match="n_archives"):
         registry.get_source("nih_demo")
     inet = registry.get_source("imagenet")

@@ -226,7 +226,7 @@ def test_dry_run_dag_with_imagenet_pretraining(tmp_path):
     assert dry.returncode == 0, dry.stderr[-3000:]
     counts = job_counts(dry.stdout)
     assert counts["write_shards"] == 5 + 1 + 3          # imagenet train_000..train_004 + val, 3 demo archives
-    assert counts["download_file"] == 3 + 6            # the ImageNet release + the demo release files
+    assert counts["download_file"] == 3 + 7            # the ImageNet release + the demo release files (with its box list)
     assert counts["split_dataset"] == counts["gather_shards"] == 2
     assert "data/raw/fashion_mnist" not in dry.stdout and "data/shards/fashion_mnist" not in dry.stdout
     assert "data/shards/imagenet/parts/train_004/manifest.json" in dry.stdout

@@ -220,9 +220,9 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
     with FileServer(mirror.root) as srv:
         # a declared pilot on archives 1 and 2: only they are downloaded and sharded
         jobs, html, manifest, metrics = _run(work, _study_config(srv.base_url, [1, 2]))
-        assert jobs["download_file"] == 4 + 2 + 3 and jobs["write_shards"] == 2 + 2
+        assert jobs["download_file"] == 4 + 2 + 4 and jobs["write_shards"] == 2 + 2
         fetched = sorted({r.path for r in srv.requests if r.status in (200, 206)})
-        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *nih.NIH_TABLES])
+        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *nih.NIH_TABLES, nih.BOX_LIST_NAME])
         cov = manifest["coverage"]
         assert cov["pilot"] and (cov["n_listed"], cov["n_found"], cov["n_missing"]) == (360, 60, 300)
         assert sum(s["n_images"] for s in manifest["splits"].values()) == 60
@@ -252,3 +252,30 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
         published.CHEXNET.mean_over(metrics["mean_auroc_labels"]))
     auroc = pd.read_csv(work / "results/evaluate/auroc.csv").set_index("label")
     assert auroc.loc["mean", "chexnet"] == pytest.approx(metrics["chexnet_mean_same_labels"], abs=1e-4)
+    # the box list went through the release's path: boxes in 1,024 px frames, scored at the 32 px input
+    loc = metrics["localisation"]
+    assert loc["boxes"]["frame"] == nih.PNG_SIDE and loc["boxes"]["stored"] == 32 and loc["crop"] == 32
+    test = pd.read_csv(work / "results/evaluate/predictions.csv").set_index("image")
+    boxes = nih.read_box_list(mirror.root / nih.BOX_LIST_NAME)
+    boxes = boxes[boxes["image"].isin(test.index)]
+    boxed = {(r.image, r.label) for r in boxes.itertuples() if test.loc[r.image, r.label] == 1}
+    assert loc["boxes"]["n_test_boxes"] == len(boxes) and sum(e["n"] for e in loc["labels"].values()) == len(boxed) > 0
+    assert 'id="localisation-table"' in html and 'id="subgroup-table"' in html
+    card = (work / "results/finetune/model_card.md").read_text()
+    assert "NIH ChestX-ray14" in card and "SYNTHETIC" not in card
+
+
+def test_box_list_is_optional(tmp_path):
+    """datasets.nih.boxes: false leaves BBox_List_2017.csv out of the downloads and the evaluation (heatmaps
+    are drawn, not scored); by default the evaluation gets it with the release's 1,024 px frame."""
+    cfg = _study_config("http://127.0.0.1:1/", None)
+    for boxes, want in ((True, True), (False, False)):
+        cfg["datasets"]["nih"]["boxes"] = boxes
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+        dry = snakemake(tmp_path, "-n", "-p", "--configfile", str(tmp_path / "config.yaml"), "--",
+                        "results/evaluate/metrics.json")
+        assert dry.returncode == 0, dry.stderr[-3000:]
+        evaluate = dry.stdout.split("rule evaluate_model:", 1)[1].split("\n\n", 1)[0]
+        assert ("--boxes data/raw/nih/BBox_List_2017.csv --box-frame 1024" in evaluate) == want
+        assert ("data/raw/nih/BBox_List_2017.csv" in dry.stdout) == want
+        assert "--label-table data/raw/nih/Data_Entry_2017_v2020.csv" in evaluate

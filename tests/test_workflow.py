@@ -50,12 +50,17 @@ def test_dry_run_dag_has_every_stage_in_order(tmp_path):
     # the demo pretrains on its own phantom corpus (3 archives) and fine-tunes on the demo release (3)
     assert counts["make_demo_release"] == 2
     assert counts["write_shards"] == 3 + 3
-    assert counts["download_file"] == 6 + 6      # per release: 3 archives + 3 tables
+    # per release: 3 archives + 3 tables; the fine-tuning release's box list (localisation) too
+    assert counts["download_file"] == 6 + 7
+    assert "data/raw/nih_demo/BBox_List_2017.csv" in dry.stdout and "nih_demo_pretrain/BBox_List_2017.csv" not in dry.stdout
     assert "--dataset nih_demo_pretrain" in dry.stdout and "data/shards/nih_demo_pretrain/manifest.json" in dry.stdout
     assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == 1
     # the ablation (pretrained vs random init) is the demo's headline: on by default; scaling and sweep are off
     assert counts["finetune_ablation"] == counts["evaluate_ablation"] == 1
-    assert "--ablation-predictions results/ablation/evaluate/predictions.csv" in dry.stdout
+    # the report's inputs as one structure, the ablation's runs and jobs in it
+    assert ('"random_seed0": {"metrics": "results/ablation/evaluate/metrics.json", '
+            '"predictions": "results/ablation/evaluate/predictions.csv"') in dry.stdout
+    assert '"finetune_random_seed0": "benchmarks/ablation/train.tsv"' in dry.stdout
     for rule in ("scale_pretrain", "summarize_scaling", "sweep_trial", "select_sweep", "evaluate_sweep_winner"):
         assert rule not in counts, rule
 

@@ -42,7 +42,8 @@ def cmd_make_demo_release(args) -> None:
                          f"(those are: {', '.join(n for n, d in registry.DATASETS.items() if getattr(d, 'generated', False))})")
     info = make_release(args.out, n_images=cfg.n_images, image_size=cfg.image_size,
                         images_per_archive=cfg.images_per_archive, test_fraction=cfg.test_fraction,
-                        seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True)
+                        seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True,
+                        boxes=dataset.has_boxes)
     print(info)
 
 
@@ -122,26 +123,24 @@ def cmd_evaluate(args) -> None:
     from chexflow.evaluate.run import run
     cfg = _load(EvaluateConfig, args)
     res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir,
-              expect_run_ids=_expected_run_ids(args))
+              expect_run_ids=_expected_run_ids(args), label_table=args.label_table, boxes=args.boxes,
+              box_frame=args.box_frame, heatmaps=not args.no_heatmaps)
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
 def cmd_report(args) -> None:
-    from chexflow.report.render import collect_provenance, render_report
+    from chexflow.report.render import ReportInputError, collect_provenance, render_report
     import yaml
     if args.study_config_json:
         config = json.loads(args.study_config_json)
     else:
         config = yaml.safe_load(args.study_config.read_text()) if args.study_config else {}
-    manifests = dict(kv.split("=", 1) for kv in args.manifest)
-    benches = dict(kv.split("=", 1) for kv in args.benchmark)
-    render_report(args.out, metrics_json=args.metrics, predictions_csv=args.predictions,
-                  pretrain_metrics=args.pretrain_metrics, finetune_metrics=args.finetune_metrics,
-                  manifests={k: Path(v) for k, v in manifests.items()}, config=config,
-                  provenance=collect_provenance(args.repo), stage_benchmarks={k: Path(v) for k, v in benches.items()},
-                  scaling_csv=args.scaling_csv, scaling_plot=args.scaling_plot, sweep_table=args.sweep_table,
-                  sweep_selection=args.sweep_selection, sweep_metrics=args.sweep_metrics,
-                  ablation_metrics=args.ablation_metrics, ablation_predictions=args.ablation_predictions)
+    try:
+        inputs = json.loads(args.inputs_json)
+    except json.JSONDecodeError as exc:
+        raise ReportInputError(f"--inputs-json is not valid JSON: {exc}") from exc
+    render_report(args.out, inputs=inputs, config=config, provenance=collect_provenance(args.repo),
+                  model_card=args.model_card)
 
 
 def cmd_scale_point(args) -> None:
@@ -250,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pretraining model, for a section with init: pretrained (part of the run id)")
     p.add_argument("--trials-json", default=None,
                    help="sweep: the trials' overrides of that section (a JSON list); the model must be one trial's")
+    p.add_argument("--label-table", type=Path, default=None, help="the release's label table (subgroups)")
+    p.add_argument("--boxes", type=Path, default=None, help="the release's box list (localisation scores)")
+    p.add_argument("--box-frame", type=int, default=None, help="side (px) of the images the boxes refer to")
+    p.add_argument("--no-heatmaps", action="store_true", help="no Grad-CAM (the ablation's runs)")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("scale-point", help="one rank of the scaling study at one world size")
@@ -287,25 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", type=Path, nargs="+", help="result.json of every trial")
     p.set_defaults(func=cmd_sweep_select)
 
-    p = sub.add_parser("report", help="the self-contained HTML report")
+    p = sub.add_parser("report", help="the self-contained HTML report and the model card")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--metrics", type=Path, required=True)
-    p.add_argument("--predictions", type=Path, default=None)
-    p.add_argument("--pretrain-metrics", type=Path, required=True)
-    p.add_argument("--finetune-metrics", type=Path, required=True)
-    p.add_argument("--manifest", action="append", default=[], metavar="NAME=PATH")
-    p.add_argument("--benchmark", action="append", default=[], metavar="STAGE=PATH")
+    p.add_argument("--model-card", type=Path, default=None, help="also write the model card (Markdown) here")
+    p.add_argument("--inputs-json", required=True,
+                   help='the report\'s files as one structure, e.g. {"evaluation": {"metrics": PATH, ...}, ...} '
+                        "(chexflow.report.render.INPUTS; the rule passes its named inputs)")
     p.add_argument("--study-config", type=Path, default=None, help="config.yaml of the study")
     p.add_argument("--study-config-json", default=None, help="the study config as JSON (rules)")
     p.add_argument("--repo", type=Path, default=None)
-    p.add_argument("--scaling-csv", type=Path, default=None, help="scaling study table (optional section)")
-    p.add_argument("--scaling-plot", type=Path, default=None)
-    p.add_argument("--sweep-table", type=Path, default=None, help="sweep trials.csv (optional section)")
-    p.add_argument("--sweep-selection", type=Path, default=None)
-    p.add_argument("--sweep-metrics", type=Path, default=None, help="test metrics.json of the sweep winner")
-    p.add_argument("--ablation-metrics", type=Path, default=None, help="test metrics.json of the ablation run")
-    p.add_argument("--ablation-predictions", type=Path, default=None,
-                   help="test predictions.csv of the ablation run (paired CI of the gain)")
     p.set_defaults(func=cmd_report)
     return ap
 

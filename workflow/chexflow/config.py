@@ -300,6 +300,11 @@ def _data_relations(s: Study, p: _Problems) -> None:
 
 
 def _study_relations(s: Study, p: _Problems) -> None:
+    bands = list(s.evaluate.age_bands)
+    if not bands or bands != sorted(bands):
+        p.add("evaluate.age_bands", f"evaluate.age_bands: {bands} is not a non-empty ascending list of ages")
+    if s.ablation.seeds is not None and not s.ablation.seeds:
+        p.add("ablation.seeds", "ablation.seeds: [] lists no seed (null: the finetune section's one seed)")
     if s.scaling.enabled:
         _crop_fits("scaling.crop", s.scaling.crop, s.pretrain_dataset, s.shards, p)
     if s.sweep.enabled and p.ok("sweep") and "finetune" in s.train and _stage_ok("finetune", p):

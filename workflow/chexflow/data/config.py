@@ -65,3 +65,5 @@ class SourceConfig:
     mirror: str | None = None         # a directory, file:// or http(s) base URL; None: the official URLs
     # nih only (its adapter's source_options): a pilot on these archives; None: the full release
     archives: tuple[int, ...] | None = setting(None, **ARCHIVE_NUMBERS)
+    # nih only: BBox_List_2017.csv from the mirror scores the heatmaps (False: heatmaps without scores)
+    boxes: bool = True

@@ -87,6 +87,16 @@ class Dataset:
         """Problems of ``shards.<name>`` that only this dataset has (each naming its dotted key):
         ``chexflow.config.check_study`` reports them before any job runs."""
         return []
+    def evaluation_files(self, source: Source, boxes: bool = True) -> dict[str, RemoteFile]:
+        """The files of ``source`` evaluation reads besides the shards, by use: ``label_table`` (the
+        subgroups' fields), ``boxes`` (reference boxes of findings, unless ``boxes`` is False:
+        ``datasets.<name>.boxes``)."""
+        return {}
+
+    def box_frame(self) -> int | None:
+        """The side (px) of the square images the box list's coordinates refer to (None: no box list, or a
+        generated release, whose frame is its own image size)."""
+        return None
 
     # ------------------------------------------------------------------ reading (shard stage)
     def info(self, raw_dir: Path | None = None) -> DatasetInfo:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-ROLES = ("archive", "images", "labels", "split_list", "checksums", "devkit", "data")
+ROLES = ("archive", "images", "labels", "split_list", "boxes", "checksums", "devkit", "data")
 
 
 @dataclass(frozen=True)

@@ -57,3 +57,6 @@ class SweepConfig:
 @dataclass(frozen=True)
 class AblationConfig:
     enabled: bool = False             # also fine-tune from the other init, same budget
+    # training seeds per arm (finetune.seed replaced); None: the finetune section's one seed (one run per
+    # arm). Several: one fine-tuning and evaluation per arm and seed, and a verdict over the seeds
+    seeds: tuple[int, ...] | None = setting(None, ge=0, unique=True)
