@@ -3,7 +3,7 @@ import json
 import os
 import sys
 
-from chexflow.config import DemoReleaseConfig, ShardConfig, from_dict
+from chexflow.config import DemoReleaseConfig, ExportConfig, PredictConfig, ShardConfig, from_dict
 from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
 from chexflow.studies import ablation as _ablation
 
@@ -153,7 +153,47 @@ def study_targets():
         targets.append("results/sweep/evaluate/metrics.json")
     if study_enabled("ablation"):
         targets.append("results/ablation/evaluate/metrics.json")
+    if study_enabled("predict"):
+        targets.append(predict_outputs()["predictions"])
+    if study_enabled("export"):
+        targets.append(export_outputs()["summary"])
     return targets
+
+
+# ------------------------------------------------------------------ using the model (rules/predict.smk)
+# The model card travels with the exports when the workflow wrote one (chexflow export skips it, with
+# a log line, when absent).
+MODEL_CARD = "results/finetune/model_card.md"
+
+
+def predict_settings():
+    return from_dict(PredictConfig, config.get("predict", {}))
+
+
+def predict_inputs():
+    """The folders, files and .txt lists predict.inputs names (Snakemake checks they exist)."""
+    return list(predict_settings().inputs)
+
+
+def predict_outputs():
+    """predict_images' outputs: the CSV, and the heatmaps' folder with predict.heatmaps."""
+    out = {"predictions": "results/predict/predictions.csv"}
+    if predict_settings().heatmaps:
+        out["heatmaps"] = directory("results/predict/heatmaps")
+    return out
+
+
+def heatmap_dir_arg(wildcards, output):
+    """Params function: `--heatmap-dir DIR` when the job declares the heatmaps' folder."""
+    return f"--heatmap-dir {output.heatmaps}" if "heatmaps" in output.keys() else ""
+
+
+def export_outputs():
+    """export_model's outputs: one file per format of export.formats, and the checks' summary."""
+    from chexflow.predict import EXPORT_FILES, EXPORT_SUMMARY
+
+    formats = from_dict(ExportConfig, config.get("export", {})).formats
+    return {**{f: f"results/export/{EXPORT_FILES[f]}" for f in formats}, "summary": f"results/export/{EXPORT_SUMMARY}"}
 
 
 def _sweep_trials():

@@ -170,6 +170,55 @@ class EvaluateConfig:
     crop: int = 64
 
 
+# --------------------------------------------------------------------------- using the trained model
+
+@dataclass(frozen=True)
+class PredictConfig:
+    """``chexflow predict``: the fine-tuned model on images it has not seen (rules/predict.smk)."""
+    enabled: bool = False             # the workflow runs predict_images (rule all) when true
+    # folders (searched recursively for .png/.jpg/.jpeg/.dcm/.dicom and extension-less DICOM files)
+    # and/or list files (.txt: one image path per line, relative to the list's folder)
+    inputs: tuple[str, ...] = ()
+    batch_size: int = 32
+    workers: int = 1                  # decoding processes beside the model (0: decode in the main process)
+    device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: cuda when available
+    heatmaps: bool = False            # a Grad-CAM PNG per image, for its most likely finding
+    # DICOM: what counts as a radiograph (0008,0060 Modality); other modalities are refused
+    modalities: tuple[str, ...] = ("CR", "DX", "DR")
+    max_file_mb: int = 512            # larger files are refused unread (a CR image is ~10-30 MB)
+
+    def __post_init__(self) -> None:
+        _at_least("predict", batch_size=(self.batch_size, 1), workers=(self.workers, 0),
+                  max_file_mb=(self.max_file_mb, 1))
+        if not self.modalities:
+            raise ConfigError("predict.modalities: name at least one DICOM modality (e.g. [CR, DX, DR])")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """``chexflow export``: TorchScript and ONNX of the fine-tuned model, checked against torch."""
+    enabled: bool = False             # the workflow runs export_model (rule all) when true
+    formats: tuple[Literal["torchscript", "onnx"], ...] = ("torchscript", "onnx")
+    check_images: int = 64            # test images the exports are compared on against the torch model
+    tolerance: float = 1e-4           # largest allowed |export - torch| of a probability (fp32)
+    opset: int = 18                   # ONNX opset (torch's exporter writes 18 or newer)
+
+    def __post_init__(self) -> None:
+        # two check batches at least: one of a single image and one of several (dynamic batch size)
+        _at_least("export", check_images=(self.check_images, 2), opset=(self.opset, 18))
+        if not self.formats or len(set(self.formats)) != len(self.formats):
+            raise ConfigError(f"export.formats: a non-empty list without repeats, got {list(self.formats)}")
+        if not 0 < self.tolerance < 1:
+            raise ConfigError(f"export.tolerance: must lie in (0, 1), got {self.tolerance}")
+
+
+def _at_least(section: str, **values: tuple[int, int]) -> None:
+    """ConfigError naming ``section.key`` for the first ``key=(value, minimum)`` below its minimum."""
+    for key, (value, low) in values.items():
+        if value < low:
+            raise ConfigError(f"{section}.{key}: must be >= {low}, got {value}")
+
+
 # --------------------------------------------------------------------------- studies around the main run
 
 @dataclass(frozen=True)
@@ -385,6 +434,8 @@ def study_schema() -> dict:
             "scaling": dataclass_schema(ScalingConfig),
             "sweep": dataclass_schema(SweepConfig),
             "ablation": dataclass_schema(AblationConfig),
+            "predict": dataclass_schema(PredictConfig),
+            "export": dataclass_schema(ExportConfig),
         },
     }
 

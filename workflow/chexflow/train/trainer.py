@@ -441,7 +441,7 @@ class Trainer:
         return {"state_dict": sd, "arch": self.cfg.model.arch, "in_channels": self.cfg.model.in_channels,
                 "num_outputs": len(self.labels), "labels": list(self.labels), "task": self.task,
                 "crop": self.cfg.data.crop, "epoch": epoch, "val_metric": metric, "val_metric_name": metric_name,
-                "config": to_dict(self.cfg)}
+                "config": to_dict(self.cfg), "run_id": self.run_id}
 
     def _save(self, model, opt, sched, prog: Progress, partial=None) -> None:
         # collective first (every rank reaches this point at the same step), then rank 0 writes
