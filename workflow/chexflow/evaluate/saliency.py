@@ -1,14 +1,15 @@
-"""Saliency: where in an image the network found a finding (Grad-CAM, Selvaraju et al. 2017, via Captum).
+"""Grad-CAM heatmaps of the fine-tuned model (Captum's ``LayerGradCam``, not hand-written).
 
-``gradcam`` is the one saliency method; ``chexflow predict`` draws its heatmaps with it (and so
-should the report). The layer is the backbone's last stage (``models.backbone_stages``: resnet's
-layer4, densenet's final norm), the usual Grad-CAM choice: its maps are coarse (7 x 7 at 224 px for a
-resnet) but reflect what the classifier reads.
+Grad-CAM weighs a convolutional layer's feature maps by the pooled gradient of one output and keeps
+the positive part (Selvaraju et al. 2017); its resolution is that layer's. CheXNet's class activation
+maps come from the last stage of a DenseNet-121 at 224 px: 7 x 7. At the demo's 32 px the last stage
+of a ResNet-18 is 1 x 1 and points nowhere, so the layer is chosen by resolution: the deepest backbone
+stage whose output is at least ``min_side`` px on a side at the evaluation crop (``choose_layer``).
+The map is upsampled to the input bilinearly (Captum's ``LayerAttribution.interpolate``).
 """
 from __future__ import annotations
 
-import io
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -16,37 +17,63 @@ import torch
 from chexflow.train.models import backbone_stages
 
 
-def target_layer(model: torch.nn.Module) -> torch.nn.Module:
-    return backbone_stages(model)[-1][1]
+def stage_sides(model: torch.nn.Module, *, crop: int, in_channels: int, device) -> list[tuple[str, int]]:
+    """(name, output side in px) of every backbone stage at a ``crop`` px input (one dummy forward)."""
+    stages = backbone_stages(model)
+    sides: dict[str, int] = {}
+
+    def record(name: str):
+        def hook(module, args, out) -> None:      # returns None: the output is left as it is
+            sides.setdefault(name, int(out.shape[-1]))
+        return hook
+
+    hooks = [module.register_forward_hook(record(name)) for name, module in stages]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, in_channels, crop, crop, device=device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(name, sides[name]) for name, _ in stages if name in sides]
 
 
-def gradcam(model: torch.nn.Module, x: torch.Tensor, targets: Sequence[int]) -> np.ndarray:
-    """Grad-CAM maps ``float32 [B, H, W]`` in [0, 1] of output ``targets[i]`` for input ``x[i]``
-    (``x``: the network's normalised input ``[B, C, H, W]``), upsampled bilinearly to ``H x W``
-    and divided by each map's maximum (a map without positive evidence stays 0)."""
+def choose_layer(model: torch.nn.Module, *, crop: int, in_channels: int, min_side: int, device,
+                 layer: str = "auto") -> tuple[str, torch.nn.Module, int]:
+    """The Grad-CAM layer: ``layer`` by name, or (``auto``) the deepest backbone stage whose output is
+    at least ``min_side`` px (the first stage if none is). Returns (name, module, output side)."""
+    sides = stage_sides(model, crop=crop, in_channels=in_channels, device=device)
+    if not sides:
+        raise ValueError("the model has no backbone stage with a spatial output for Grad-CAM")
+    if layer != "auto":
+        found = dict(sides)
+        if layer not in found:
+            raise ValueError(f"evaluate.saliency.layer: {layer!r} is not a backbone stage of this model "
+                             f"(stages: {', '.join(n for n, _ in sides)})")
+        name, side = layer, found[layer]
+    else:
+        fine = [(n, s) for n, s in sides if s >= min_side]
+        name, side = fine[-1] if fine else sides[0]
+    return name, model.get_submodule(name), side
+
+
+def gradcam(model: torch.nn.Module, layer: torch.nn.Module, inputs: torch.Tensor, targets: Sequence[int], *,
+            batch_size: int) -> np.ndarray:
+    """Grad-CAM of output ``targets[i]`` on ``inputs[i]`` ([N, C, S, S], normalised as the model sees
+    them), upsampled to S x S: float32 [N, S, S], >= 0 (zero where nothing speaks for the output)."""
     from captum.attr import LayerAttribution, LayerGradCam
-
+    if len(targets) != inputs.shape[0]:
+        raise ValueError(f"{inputs.shape[0]} inputs but {len(targets)} targets")
     model.eval()
-    cam = LayerGradCam(model, target_layer(model))
-    with torch.enable_grad():
-        attr = cam.attribute(x, target=[int(t) for t in targets], relu_attributions=True)
-    maps = LayerAttribution.interpolate(attr, tuple(x.shape[-2:]), interpolate_mode="bilinear")[:, 0]
-    maps = maps.detach().float().clamp_min(0)
-    peak = maps.flatten(1).amax(dim=1).view(-1, 1, 1)
-    return torch.where(peak > 0, maps / peak.clamp_min(1e-12), torch.zeros_like(maps)).cpu().numpy()
-
-
-def overlay_png(grey: np.ndarray, heat: np.ndarray, *, alpha: float = 0.4, cmap: str = "jet") -> bytes:
-    """PNG bytes: the uint8 grey image with ``heat`` (in [0, 1], any size: resized bilinearly to the
-    image) laid over it in colour map ``cmap`` at opacity ``alpha``."""
-    from matplotlib import colormaps
-    from PIL import Image
-
-    h, w = grey.shape
-    heat = np.asarray(Image.fromarray(heat.astype(np.float32)).resize((w, h), Image.Resampling.BILINEAR))
-    colour = colormaps[cmap](np.clip(heat, 0.0, 1.0))[..., :3]
-    base = np.repeat(grey[..., None].astype(np.float64) / 255.0, 3, axis=-1)
-    rgb = np.rint(((1 - alpha) * base + alpha * colour) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format="PNG")
-    return buf.getvalue()
+    cam = LayerGradCam(model, layer)
+    side = inputs.shape[-1]
+    out = []
+    device = next(model.parameters()).device
+    for b0 in range(0, inputs.shape[0], batch_size):
+        x = inputs[b0:b0 + batch_size].to(device)
+        t = [int(v) for v in targets[b0:b0 + batch_size]]
+        attr = cam.attribute(x, target=t, relu_attributions=True)
+        up = LayerAttribution.interpolate(attr, (side, side), interpolate_mode="bilinear")
+        out.append(up[:, 0].detach().float().cpu().numpy())
+    if not out:
+        return np.zeros((0, side, side), np.float32)
+    return np.clip(np.concatenate(out), 0.0, None).astype(np.float32)

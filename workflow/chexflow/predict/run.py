@@ -8,8 +8,6 @@ the others go on. Files are decoded by loader workers while the model runs on ba
 """
 from __future__ import annotations
 
-import os
-import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -21,7 +19,7 @@ from tqdm import tqdm
 
 from chexflow.config import PredictConfig
 from chexflow.data.images import DecodeError
-from chexflow.fsutil import atomic_path, write_bytes_atomic
+from chexflow.fsutil import atomic_path
 from chexflow.predict.files import Reader, list_inputs
 from chexflow.predict.model import Predictor, load_predictor, pick_device
 
@@ -40,6 +38,8 @@ class _Files(torch.utils.data.Dataset):
             pixels, fmt = self.reader.read(self.files[i])
         except DecodeError as exc:
             return i, None, "", exc.reason
+        except Exception as exc:  # noqa: BLE001 - a hostile file may raise anything inside a decoder
+            return i, None, "", " ".join(f"unexpected error while reading it: {type(exc).__name__}: {exc}".split())
         return i, pixels, fmt, ""
 
 
@@ -58,7 +58,10 @@ def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, 
     predictor, _ = load_predictor(model_path, manifest, metrics, device=pick_device(cfg.device))
     reader = Reader(predictor.dataset, predictor.preprocess.stored_size, cfg.modalities, cfg.max_file_mb << 20)
     out_csv = Path(out_csv)
-    heat_dir = (Path(heatmap_dir) if heatmap_dir else out_csv.parent / "heatmaps") if cfg.heatmaps else None
+    heat = None
+    if cfg.heatmaps:
+        from chexflow.predict.heatmap import Writer
+        heat = Writer(predictor, Path(heatmap_dir) if heatmap_dir else out_csv.parent / "heatmaps", out_csv.parent)
     _log(f"model {model_path} (run {predictor.run_id}) on {predictor.device}; {len(files)} files; "
          f"preprocessing {predictor.preprocess.describe()['steps']}")
     unset = [label for label in predictor.labels if label not in predictor.thresholds]
@@ -67,7 +70,7 @@ def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, 
     rows: list[dict] = []
     bar = tqdm(total=len(files), unit="img", desc="predict", disable=not progress, file=sys.stderr)
     for batch in batches(files, reader, batch_size=cfg.batch_size, workers=cfg.workers):
-        rows += predict_batch(predictor, batch, files, heat_dir, out_csv.parent)
+        rows += predict_batch(predictor, batch, files, heat)
         bar.update(len(batch))
     bar.close()
     table = _table(rows, predictor, cfg.heatmaps)
@@ -79,13 +82,13 @@ def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, 
     return table
 
 
-def predict_batch(predictor: Predictor, batch: list, files: list[Path], heat_dir: Path | None,
-                  csv_dir: Path) -> list[dict]:
-    """The CSV rows of one batch of ``_Files`` items (probabilities of the readable ones in one forward pass)."""
+def predict_batch(predictor: Predictor, batch: list, files: list[Path], heat=None) -> list[dict]:
+    """The CSV rows of one batch of ``_Files`` items (probabilities of the readable ones in one forward
+    pass; their heatmaps when ``heat``, a ``heatmap.Writer``, is given)."""
     ok = [item for item in batch if item[1] is not None]
     probs = predictor.probabilities(torch.from_numpy(np.stack([item[1] for item in ok]))) if ok else None
     by_index = {item[0]: k for k, item in enumerate(ok)}
-    heat = _heatmaps(predictor, ok, probs, files, heat_dir, csv_dir) if heat_dir is not None and ok else {}
+    drawn = heat.write([(i, px, files[i]) for i, px, _, _ in ok], probs) if heat is not None and ok else {}
     rows = []
     for i, _, fmt, error in batch:
         row = {"file": str(files[i]), "format": fmt, "error": error, "run_id": predictor.run_id, "findings": ""}
@@ -93,35 +96,9 @@ def predict_batch(predictor: Predictor, batch: list, files: list[Path], heat_dir
             p = probs[by_index[i]]
             row["findings"] = ";".join(predictor.findings(p))
             row.update({f"{label}_score": float(v) for label, v in zip(predictor.labels, p)})
-            row.update(heat.get(i, {}))
+            row.update(drawn.get(i, {}))
         rows.append(row)
     return rows
-
-
-def heatmap_target(predictor: Predictor, probs: np.ndarray) -> int:
-    """The label a heatmap shows: the most likely finding, else the most likely label."""
-    found = set(predictor.findings(probs))
-    candidates = [j for j, label in enumerate(predictor.labels) if label in found] or range(len(probs))
-    return max(candidates, key=lambda j: probs[j])
-
-
-def _heatmaps(predictor: Predictor, ok: list, probs: np.ndarray, files: list[Path], heat_dir: Path,
-              csv_dir: Path) -> dict[int, dict]:
-    from chexflow.evaluate import saliency
-
-    images = torch.from_numpy(np.stack([item[1] for item in ok]))
-    targets = [heatmap_target(predictor, p) for p in probs]
-    maps = saliency.gradcam(predictor.model, predictor.preprocess.network_input(images.to(predictor.device)), targets)
-    out = {}
-    for (i, pixels, _, _), target, heat in zip(ok, targets, maps):
-        path = heat_dir / f"{i:06d}-{_safe(files[i].stem)}.png"
-        write_bytes_atomic(path, saliency.overlay_png(pixels, heat))
-        out[i] = {"heatmap_label": predictor.labels[target], "heatmap": os.path.relpath(path, csv_dir)}
-    return out
-
-
-def _safe(stem: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80] or "image"
 
 
 def _table(rows: list[dict], predictor: Predictor, heatmaps: bool) -> pd.DataFrame:
