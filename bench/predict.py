@@ -19,7 +19,9 @@ fed to the network at ``--crop`` px (the real study's 256 / 224). Per format:
 Each is run once untimed (warm page cache and kernels), then ``--repeats`` times alternating; the
 median counts. Prints images/s and ``predict / loop`` (target >= 0.9), and the CPU seconds per image
 (this process and its finished children, i.e. the decoding workers): on a machine shared with other
-jobs the wall-clock rates swing with their load, the CPU cost per image much less.
+jobs the wall-clock rates swing with their load, the CPU cost per image less. Last, the decoding
+alone (file to stored pixels, one process): CPU ms per image of the loop's decode and of chexflow's
+reader (``predict.files.Reader``), and that the two give the same pixels.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/predict.py              # CPU: resnet18, 256 / 224 px
     python bench/predict.py --device cuda --arch resnet50 --n 256 --batch 64   # bench/gpu_check.sh
@@ -165,6 +167,22 @@ def predict_pass(folder: Path, files: tuple[Path, Path, Path], out: Path, *, bat
     return len(table) / dt
 
 
+def decode_cpu(paths: list[Path], decode, stored: int, repeats: int) -> dict:
+    """CPU ms per image of the loop's decode and of chexflow's reader (median of ``repeats``
+    alternating passes), and the largest pixel difference between them."""
+    from chexflow.predict.files import Reader
+    reader = Reader("nih", stored)
+    ms = {"loop": [], "chexflow": []}
+    for _ in range(repeats):
+        for name, read in (("loop", lambda p: decode(p, stored)), ("chexflow", lambda p: reader.read(p)[0])):
+            t = time.process_time()
+            for p in paths:
+                read(p)
+            ms[name].append(1000 * (time.process_time() - t) / len(paths))
+    diff = max(int(np.abs(decode(p, stored).astype(int) - reader.read(p)[0]).max()) for p in paths)
+    return {"cpu_ms_per_image": {k: statistics.median(v) for k, v in ms.items()}, "max_pixel_diff": diff}
+
+
 def cpu_seconds() -> float:
     """User + system CPU of this process and of its children that have ended (loader workers)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -229,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
                             "ratio_to_loop": {name: med[name] / med["loop"] for name in variants if name != "loop"},
                             "cpu_ratio_to_loop": {name: med_cpu[name] / med_cpu["loop"] for name in variants
                                                   if name != "loop"}}
+            dec = results[fmt]["decode_alone"] = decode_cpu(paths[:16], decode, args.stored, max(args.repeats, 5))
+            ms = dec["cpu_ms_per_image"]
+            print(f"{fmt:5s} decoding alone: loop {ms['loop']:.1f} CPU ms/image, chexflow's reader "
+                  f"{ms['chexflow']:.1f} ({ms['chexflow'] / ms['loop']:.2f}x); largest pixel difference "
+                  f"{dec['max_pixel_diff']}")
             for name in variants:
                 ratio = "" if name == "loop" else (f"  = {med[name] / med['loop']:.2f}x the loop's rate, "
                                                    f"{med_cpu[name] / med_cpu['loop']:.2f}x its CPU per image")

@@ -3,7 +3,8 @@
 
 Each writer takes the 8-bit grey image ``p`` that the PNG path would decode and stores it so that a
 correct reader gets ``p`` back exactly: as is, or as 12/16-bit values behind a rescale and a window
-(or a VOI LUT) that map them back, inverted for MONOCHROME1, compressed with RLE or JPEG 2000.
+(or a VOI LUT) that map them back, inverted for MONOCHROME1, compressed with RLE or JPEG 2000
+(JPEG baseline: lossy, the pixels Pillow decodes).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from pydicom import dcmwrite
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.encaps import encapsulate
 from pydicom.sequence import Sequence
-from pydicom.uid import (JPEG2000Lossless, JPEGLosslessSV1, RLELossless, DigitalXRayImageStorageForPresentation,
-                         ExplicitVRLittleEndian, generate_uid)
+from pydicom.uid import (JPEG2000Lossless, JPEGBaseline8Bit, JPEGLosslessSV1, RLELossless,
+                         DigitalXRayImageStorageForPresentation, ExplicitVRLittleEndian, generate_uid)
 
 
 def dataset(pixels: np.ndarray, *, bits: int = 8, photometric: str = "MONOCHROME2", modality: str = "DX",
@@ -97,6 +98,22 @@ def jpeg2000(p: np.ndarray, path: Path) -> Path:
     ds.PixelData = encapsulate([buf.getvalue()])
     ds["PixelData"].VR = "OB"
     ds.file_meta.TransferSyntaxUID = JPEG2000Lossless
+    return write(ds, path)
+
+
+def jpeg_baseline_bytes(p: np.ndarray) -> bytes:
+    """A grey baseline JPEG of ``p`` (lossy: a reader must give back what Pillow decodes from it)."""
+    buf = io.BytesIO()
+    Image.fromarray(p).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def jpeg_baseline(p: np.ndarray, path: Path) -> Path:
+    """JPEG Baseline (process 1), which pydicom decodes through Pillow."""
+    ds = dataset(p)
+    ds.PixelData = encapsulate([jpeg_baseline_bytes(p)])
+    ds["PixelData"].VR = "OB"
+    ds.file_meta.TransferSyntaxUID = JPEGBaseline8Bit
     return write(ds, path)
 
 

@@ -57,6 +57,13 @@ def test_dicom_gives_back_the_pixels_it_was_made_from(write, tmp_path):
     assert np.array_equal(out, p)
 
 
+def test_dicom_jpeg_baseline_is_what_pillow_decodes(tmp_path):
+    p = pixels()
+    out = dicom.decode_dicom(D.jpeg_baseline(p, tmp_path / "j.dcm").read_bytes(), name="j.dcm")
+    with Image.open(io.BytesIO(D.jpeg_baseline_bytes(p))) as im:
+        assert np.array_equal(out, np.asarray(im.convert("L")))
+
+
 def test_dicom_sigmoid_window_follows_the_standard(tmp_path):
     """VOI LUT Function SIGMOID (PS3.3 C.11.2.1.3.1): y = 1 / (1 + exp(-4 (x - c) / w)) of the
     rescaled value x, computed here by hand; MONOCHROME1 inverted."""
@@ -387,7 +394,7 @@ def test_predict_refuses_files_that_do_not_belong_together(study, tmp_path):
     other.write_text(json.dumps({**manifest, "image_size": "big"}))
     refused("'image_size' must be a side in px", manifest=other)
     info = load_model_file(study.model)
-    for change, pattern in (({"run_id": None}, "names no run id"), ({"task": "multiclass"}, "got task 'multiclass'")):
+    for change, pattern in (({"run_id": None}, "run.id"), ({"task": "multiclass"}, "got task 'multiclass'")):
         torch.save({**info, **change}, tmp_path / "model.pt")
         refused(pattern, model=tmp_path / "model.pt")
     if not torch.cuda.is_available():

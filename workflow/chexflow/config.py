@@ -188,8 +188,7 @@ class PredictConfig:
     max_file_mb: int = 512            # larger files are refused unread (a CR image is ~10-30 MB)
 
     def __post_init__(self) -> None:
-        _at_least("predict", batch_size=(self.batch_size, 1), workers=(self.workers, 0),
-                  max_file_mb=(self.max_file_mb, 1))
+        _at_least(self, "predict", batch_size=1, workers=0, max_file_mb=1)
         if not self.modalities:
             raise ConfigError("predict.modalities: name at least one DICOM modality (e.g. [CR, DX, DR])")
 
@@ -205,18 +204,19 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         # two check batches at least: one of a single image and one of several (dynamic batch size)
-        _at_least("export", check_images=(self.check_images, 2), opset=(self.opset, 18))
+        _at_least(self, "export", check_images=2, opset=18)
         if not self.formats or len(set(self.formats)) != len(self.formats):
             raise ConfigError(f"export.formats: a non-empty list without repeats, got {list(self.formats)}")
         if not 0 < self.tolerance < 1:
             raise ConfigError(f"export.tolerance: must lie in (0, 1), got {self.tolerance}")
 
 
-def _at_least(section: str, **values: tuple[int, int]) -> None:
-    """ConfigError naming ``section.key`` for the first ``key=(value, minimum)`` below its minimum."""
-    for key, (value, low) in values.items():
+def _at_least(obj: Any, section: str, **minimum: int) -> None:
+    """Range check of integer settings (``ConfigError`` naming the dotted key)."""
+    for name, low in minimum.items():
+        value = getattr(obj, name)
         if value < low:
-            raise ConfigError(f"{section}.{key}: must be >= {low}, got {value}")
+            raise ConfigError(f"{section}.{name}: must be >= {low}, got {value}")
 
 
 # --------------------------------------------------------------------------- studies around the main run

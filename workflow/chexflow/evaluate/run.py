@@ -19,7 +19,7 @@ from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc, mean_aur
 from chexflow.evaluate.published import CHEXNET
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model_file
-from chexflow.train.models import from_model_file
+from chexflow.train.models import build_model
 
 
 def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
@@ -44,7 +44,9 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
         raise ValueError(f"{model_path}: evaluation expects the fine-tuned multi-label model, got task {info.get('task')!r}")
     labels = list(info["labels"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = from_model_file(info).to(device)
+    model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
+    model.load_state_dict(info["state_dict"])
+    model.to(device)
     crop = int(info.get("crop", cfg.crop))
 
     val = predict(model, loader.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
@@ -58,7 +60,6 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
               "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
               "n_patients": int(len(set(patients))), "model": str(model_path),
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
-              "model_run_id": info.get("run_id"),
               "bootstrap": {"n_resamples": cfg.bootstrap_resamples, "seed": cfg.seed,
                             "mean_auroc_ci": boot.get("mean_auroc_ci")}}
     vs, vy = val[0], val[1]

@@ -19,7 +19,7 @@ import torch
 
 from chexflow.data import loader, registry
 from chexflow.train.checkpoint import load_model_file
-from chexflow.train.models import from_model_file
+from chexflow.train.models import build_model
 
 
 class PredictInputError(ValueError):
@@ -102,7 +102,9 @@ def load_predictor(model_path: Path, manifest_path: Path, metrics_path: Path, *,
     stored, dataset = _read_manifest(Path(manifest_path), labels)
     thresholds = read_thresholds(Path(metrics_path), labels, info)
     device = device or torch.device("cpu")
-    model = from_model_file(info).to(device).eval()
+    model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
+    model.load_state_dict(info["state_dict"])
+    model = model.to(device).eval()
     return Predictor(model, labels, thresholds, run_id, Preprocess(stored, crop), dataset, device), info
 
 

@@ -63,7 +63,7 @@ def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, 
         from chexflow.predict.heatmap import Writer
         heat = Writer(predictor, Path(heatmap_dir) if heatmap_dir else out_csv.parent / "heatmaps", out_csv.parent)
     _log(f"model {model_path} (run {predictor.run_id}) on {predictor.device}; {len(files)} files; "
-         f"preprocessing {predictor.preprocess.describe()['steps']}")
+         f"preprocessing: {'; '.join(predictor.preprocess.describe()['steps'])}")
     unset = [label for label in predictor.labels if label not in predictor.thresholds]
     if unset:
         _log(f"no validation threshold for {', '.join(unset)} ({metrics}): never listed as findings")

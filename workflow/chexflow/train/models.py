@@ -51,13 +51,6 @@ def build_model(arch: str, *, in_channels: int, num_outputs: int, dropout: float
     return model
 
 
-def from_model_file(info: dict) -> torch.nn.Module:
-    """The network of a model file's content (``checkpoint.load_model_file``), weights loaded, on the CPU."""
-    model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
-    model.load_state_dict(info["state_dict"])
-    return model
-
-
 def head_prefix(model: torch.nn.Module) -> str:
     """State-dict prefix of the task head (replaced at fine-tuning, never loaded from pretraining)."""
     name = _head_name(model)
