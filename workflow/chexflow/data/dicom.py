@@ -44,8 +44,8 @@ def decode_dicom(data: bytes, *, name: str, modalities=RADIOGRAPH_MODALITIES,
     """uint8 HxW grey pixels of a DICOM radiograph (full resolution; see the module docstring).
 
     ``modalities``: the (0008,0060) Modality values accepted. ``max_pixels``: larger images are
-    refused before their pixel data is decoded (default: Pillow's decompression-bomb limit, the
-    bound PNG and JPEG files get). Raises :class:`NotARadiograph` for a file that is not a grey
+    refused before their pixel data is decoded (default: the size at which Pillow refuses a PNG or
+    JPEG as a decompression bomb, twice ``Image.MAX_IMAGE_PIXELS``; none when that is None). Raises :class:`NotARadiograph` for a file that is not a grey
     single-frame radiograph, ``DecodeError`` for one that cannot be read.
     """
     import pydicom
@@ -64,7 +64,8 @@ def decode_dicom(data: bytes, *, name: str, modalities=RADIOGRAPH_MODALITIES,
         raise DecodeError(name, f"truncated DICOM file ({' '.join(cut[0].split())})")
     step = "its header"
     try:
-        _check_radiograph(ds, name, modalities, max_pixels or Image.MAX_IMAGE_PIXELS)
+        bomb = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
+        _check_radiograph(ds, name, modalities, max_pixels or bomb)
         step = "its pixel data"
         arr = ds.pixel_array
         if arr.ndim != 2 or arr.size == 0:
@@ -90,7 +91,7 @@ def _syntax(ds, step: str) -> str:
     return f" in transfer syntax {ts.name} ({ts})" if ts else ""
 
 
-def _check_radiograph(ds, name: str, modalities, max_pixels: int) -> None:
+def _check_radiograph(ds, name: str, modalities, max_pixels: int | None) -> None:
     if "PixelData" not in ds:
         floats = "float pixel data" if "FloatPixelData" in ds or "DoubleFloatPixelData" in ds else "no pixel data"
         raise NotARadiograph(name, f"{floats} (SOP class {ds.get('SOPClassUID', 'unknown')})")
@@ -106,7 +107,7 @@ def _check_radiograph(ds, name: str, modalities, max_pixels: int) -> None:
         raise NotARadiograph(name, f"colour or not grey ({photometric or 'no PhotometricInterpretation'}, "
                                    f"{samples} samples per pixel)")
     rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
-    if rows * cols == 0 or rows * cols > max_pixels:
+    if rows * cols == 0 or (max_pixels is not None and rows * cols > max_pixels):
         raise NotARadiograph(name, f"{rows} x {cols} pixels (limit {max_pixels})")
 
 

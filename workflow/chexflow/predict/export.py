@@ -15,7 +15,6 @@ difference from the torch model's probabilities is recorded in ``export.json`` a
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import warnings
 from contextlib import ExitStack
@@ -94,9 +93,9 @@ def run(cfg: ExportConfig, *, model_path: Path, manifest: Path, metrics: Path, o
             if not worst <= cfg.tolerance:
                 raise ExportMismatchError(f"{fmt} export of {model_path}: probabilities differ from torch's by "
                                           f"{worst:.3g} > export.tolerance {cfg.tolerance}; nothing written")
-        if card is not None:
-            shutil.copyfile(model_card, stack.enter_context(atomic_path(out_dir / CARD)))
-        write_text_atomic(out_dir / EXPORT_SUMMARY, json.dumps(summary, indent=1))
+        if card is not None:                     # the text embedded in the exports, beside them
+            stack.enter_context(atomic_path(out_dir / CARD)).write_text(card, encoding="utf-8")
+    write_text_atomic(out_dir / EXPORT_SUMMARY, json.dumps(summary, indent=1))   # last: the rule's "done"
     return summary
 
 
