@@ -49,11 +49,11 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from chexflow.config import PredictConfig  # noqa: E402
 from chexflow.data import nih  # noqa: E402
 from chexflow.fsutil import write_text_atomic  # noqa: E402
 from chexflow.predict import run as predict  # noqa: E402
-from chexflow.train import models  # noqa: E402
+from chexflow.predict.config import PredictConfig  # noqa: E402
+from chexflow.train import checkpoint, models  # noqa: E402
 
 
 def _test_helper(name: str):
@@ -97,9 +97,9 @@ def write_model(work: Path, arch: str, stored: int, crop: int) -> tuple[Path, Pa
     labels = list(nih.LABELS)
     net = models.build_model(arch, in_channels=1, num_outputs=len(labels))
     model = work / "model.pt"
-    torch.save({"state_dict": net.state_dict(), "arch": arch, "in_channels": 1, "num_outputs": len(labels),
-                "labels": labels, "task": "multilabel", "crop": crop, "epoch": 0, "val_metric": 0.5,
-                "val_metric_name": "mean_auroc", "run_id": "bench"}, model)
+    torch.save(checkpoint.model_record(state_dict=net.state_dict(), run_id="bench", stage="finetune", dataset="nih",
+                                       task="multilabel", labels=labels, arch=arch, in_channels=1, crop=crop,
+                                       epoch=1, val_metric=0.5, val_metric_name="mean_auroc", config={}), model)
     manifest, metrics = work / "manifest.json", work / "metrics.json"
     write_text_atomic(manifest, json.dumps({"dataset": "nih", "labels": labels, "image_size": stored}))
     write_text_atomic(metrics, json.dumps({"labels": {label: {} for label in labels}}))
@@ -170,8 +170,8 @@ def predict_pass(folder: Path, files: tuple[Path, Path, Path], out: Path, *, bat
 def decode_cpu(paths: list[Path], decode, stored: int, repeats: int) -> dict:
     """CPU ms per image of the loop's decode and of chexflow's reader (median of ``repeats``
     alternating passes), and the largest pixel difference between them."""
-    from chexflow.predict.files import Reader
-    reader = Reader("nih", stored)
+    from chexflow.predict.files import reader_for
+    reader = reader_for("nih", stored, PredictConfig())
     ms = {"loop": [], "chexflow": []}
     for _ in range(repeats):
         for name, read in (("loop", lambda p: decode(p, stored)), ("chexflow", lambda p: reader.read(p)[0])):

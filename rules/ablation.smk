@@ -21,8 +21,8 @@ use rule finetune_model as finetune_ablation with:
 
 use rule evaluate_model as evaluate_ablation with:
     input:
+        unpack(ablation_inputs),
         model=rules.finetune_ablation.output.model,
-        manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/ablation/evaluate/metrics.json",
         predictions="results/ablation/evaluate/predictions.csv",
@@ -31,3 +31,5 @@ use rule evaluate_model as evaluate_ablation with:
         "logs/ablation/evaluate.log",
     benchmark:
         "benchmarks/ablation/evaluate.tsv"
+    params:
+        train=train_config_json("finetune", init=ABLATION_INIT),

@@ -1,17 +1,19 @@
 # Path helpers and wildcard lists for the rules (no logic beyond naming things).
 import json
 import os
+import shlex
 import sys
 
-from chexflow.config import DemoReleaseConfig, ExportConfig, PredictConfig, ShardConfig, from_dict
+from chexflow.config import resolved_config, stage_settings
 from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
-from chexflow.studies import ablation as _ablation
+from chexflow.studies import sweep as _sweep
+from chexflow.train import config as _train
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
 shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.executable)}"; ')
 
-PRETRAIN_DATASET = config["study"]["pretrain_dataset"]
-FINETUNE_DATASET = config["study"]["finetune_dataset"]
+PRETRAIN_DATASET = STUDY.pretrain_dataset  # STUDY: config.yaml checked by chexflow.config (Snakefile)
+FINETUNE_DATASET = STUDY.finetune_dataset
 # The generated phantom releases (dataset -> its config section; the adapters say): the demo's
 # fine-tuning data and its pretraining corpus (disjoint patient pools: the adapters' patient_pool).
 DEMO_RELEASES = {name: d.release_config for name, d in _registry.DATASETS.items() if d.generated}
@@ -31,9 +33,7 @@ def demo_dir(dataset):
 
 def n_demo_archives(dataset):
     """The archive count of a generated release (None for the other datasets)."""
-    if dataset not in DEMO_RELEASES:
-        return None
-    return from_dict(DemoReleaseConfig, config.get(DEMO_RELEASES[dataset], {})).n_archives
+    return STUDY.releases[dataset].n_archives if dataset in DEMO_RELEASES else None
 
 
 def demo_release_json(wildcards):
@@ -58,8 +58,9 @@ def download_inputs(wildcards):
     return [f"{demo_dir(wildcards.dataset)}/SHA256SUMS"] if wildcards.dataset in DEMO_RELEASES else []
 
 
-def download_args(wildcards):
-    """The generated demo release has as many archives as demo_release says; real sources are fixed."""
+def source_args(wildcards):
+    """The generated demo release has as many archives as demo_release says; real sources are fixed.
+    The download and shard jobs get it from the configuration, never from what is on disk."""
     return f"--n-archives {n_demo_archives(wildcards.dataset)}" if wildcards.dataset in DEMO_RELEASES else ""
 
 
@@ -98,8 +99,7 @@ def part_inputs(wildcards):
 
 
 def part_manifests(wildcards):
-    cfg = from_dict(ShardConfig, gather_settings(wildcards.dataset))
-    parts = _registry.get(wildcards.dataset).parts(cfg, n_demo_archives(wildcards.dataset))
+    parts = _registry.get(wildcards.dataset).parts(STUDY.shards[wildcards.dataset], n_demo_archives(wildcards.dataset))
     return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
 
 
@@ -108,8 +108,12 @@ def manifest(dataset):
 
 
 def train_config_json(stage, **overrides):
-    dataset = PRETRAIN_DATASET if stage == "pretrain" else FINETUNE_DATASET
-    return json.dumps({**config[stage], "stage": stage, "dataset": dataset, **overrides})
+    """The stage's settings (its section over the shared `training:` one) for `chexflow train`."""
+    return json.dumps(stage_settings(config, stage, STUDY.dataset(stage), **overrides))
+
+
+def train_backend(stage):
+    return STUDY.train[stage].backend
 
 
 def output_dir(wildcards, output):
@@ -123,7 +127,7 @@ def stage_json(section):
 
 # ------------------------------------------------------------------ optional studies (config)
 def study_enabled(section):
-    return bool(config.get(section, {}).get("enabled", False))
+    return getattr(STUDY, section).enabled
 
 
 def study_json(section):
@@ -131,12 +135,8 @@ def study_json(section):
     return json.dumps(config.get(section, {}))
 
 
-def scaling_world_sizes():
-    return [int(w) for w in config.get("scaling", {}).get("world_sizes", [1, 2])]
-
-
 def scaling_points():
-    return [f"results/scaling/world{w}/throughput.json" for w in scaling_world_sizes()]
+    return [f"results/scaling/world{w}/throughput.json" for w in STUDY.scaling.world_sizes]
 
 
 def scaling_tasks(wildcards):
@@ -166,19 +166,15 @@ def study_targets():
 MODEL_CARD = "results/finetune/model_card.md"
 
 
-def predict_settings():
-    return from_dict(PredictConfig, config.get("predict", {}))
-
-
 def predict_inputs():
     """The folders, files and .txt lists predict.inputs names (Snakemake checks they exist)."""
-    return list(predict_settings().inputs)
+    return list(STUDY.predict.inputs)
 
 
 def predict_outputs():
     """predict_images' outputs: the CSV, and the heatmaps' folder with predict.heatmaps."""
     out = {"predictions": "results/predict/predictions.csv"}
-    if predict_settings().heatmaps:
+    if STUDY.predict.heatmaps:
         out["heatmaps"] = directory("results/predict/heatmaps")
     return out
 
@@ -192,19 +188,21 @@ def export_outputs():
     """export_model's outputs: one file per format of export.formats, and the checks' summary."""
     from chexflow.predict import EXPORT_FILES, EXPORT_SUMMARY
 
-    formats = from_dict(ExportConfig, config.get("export", {})).formats
-    return {**{f: f"results/export/{EXPORT_FILES[f]}" for f in formats}, "summary": f"results/export/{EXPORT_SUMMARY}"}
+    files = {f: f"results/export/{EXPORT_FILES[f]}" for f in STUDY.export.formats}
+    return {**files, "summary": f"results/export/{EXPORT_SUMMARY}"}
 
 
 def _sweep_trials():
-    from chexflow.config import SweepConfig, from_dict
-    from chexflow.studies import sweep as _sweep
-
-    return _sweep.expand_trials(from_dict(SweepConfig, config.get("sweep", {})))
+    return _sweep.expand_trials(STUDY.sweep)
 
 
 def sweep_results():
     return [f"results/sweep/trials/{t['id']}/result.json" for t in _sweep_trials()]
+
+
+def sweep_trials_arg():
+    """`chexflow evaluate --trials-json`: every trial's overrides (the sweep winner is one of them)."""
+    return f"--trials-json {shlex.quote(json.dumps([t['params'] for t in _sweep_trials()]))}"
 
 
 def sweep_trial_json(wildcards):
@@ -213,8 +211,8 @@ def sweep_trial_json(wildcards):
 
 
 # ------------------------------------------------------------------ fine-tuning initialisation
-FINETUNE_INIT = _ablation.main_init(config)  # finetune.init of the main run (and the sweep's trials)
-ABLATION_INIT = _ablation.other_init(config)  # the ablation's: the other one
+FINETUNE_INIT = _train.main_init(config)  # finetune.init of the main run (and the sweep's trials)
+ABLATION_INIT = _train.other_init(config)  # the ablation's: the other one
 
 
 def pretrained_input(init):
@@ -223,13 +221,14 @@ def pretrained_input(init):
 
 
 def finetune_inputs(wildcards):
-    """Input function of finetune_model and sweep_trial: the data and, only with
-    finetune.init: pretrained, the pretraining model (with init random they do not wait for it)."""
+    """Input function of finetune_model, sweep_trial and their evaluations: the data and, only with
+    finetune.init: pretrained, the pretraining model (with init random they do not wait for it; the
+    evaluation needs it to compute the run id the model must carry)."""
     return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(FINETUNE_INIT)}
 
 
 def ablation_inputs(wildcards):
-    """Input function of finetune_ablation: like finetune_inputs, for the other init."""
+    """Input function of finetune_ablation and evaluate_ablation: like finetune_inputs, for the other init."""
     return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(ABLATION_INIT)}
 
 

@@ -19,7 +19,7 @@ rule predict_images:
         "benchmarks/predict/predict.tsv"
     conda:
         "../envs/predict.yaml"
-    threads: 2  # the model, and predict.workers processes decoding files beside it
+    threads: 2  # the model, and the processes decoding files beside it
     params:
         cfg=study_json("predict"),
         heatmaps=heatmap_dir_arg,

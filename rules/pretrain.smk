@@ -28,7 +28,7 @@ rule pretrain_model:
         mpi="chexflow launch",
     params:
         cfg=train_config_json("pretrain"),
-        backend=config["pretrain"]["backend"],
+        backend=train_backend("pretrain"),
         pretrained=pretrained_arg,
         out_dir=output_dir,
         tensorboard="logs/pretrain/tensorboard",

@@ -22,7 +22,7 @@ rule render_report:
     conda:
         "../envs/report.yaml"
     params:
-        cfg=json.dumps(config),
+        cfg=json.dumps(resolved_config(config)),
         manifests=report_manifest_args(),
         benchmarks=report_benchmark_args(),
         repo=workflow.basedir,

@@ -7,7 +7,7 @@ rendered at 32 px, a few of them re-encoded at the release's 1,024 px and a few 
 ``write_tables``), so the layout is the same code path the demo uses.
 
 Pinned archive checksums and the published table sizes cannot match such a mirror: ``registry``
-is the test-only override (``chexflow.data.sources.load_test_registry``) that tests hand to the
+is the test-only override (``chexflow.data.registry.load_test_registry``) that tests hand to the
 stages through ``$CHEXFLOW_TEST_REGISTRY``.
 """
 from __future__ import annotations

@@ -23,16 +23,20 @@ import yaml
 from PIL import Image
 
 import dicom_files as D
-from chexflow import config as C
 from chexflow.data import dicom, images, loader
 from chexflow.evaluate import run as evaluate
 from chexflow.evaluate import saliency
+from chexflow.evaluate.config import EvaluateConfig
 from chexflow.predict import export, files, heatmap
 from chexflow.predict import run as predict
+from chexflow.predict.config import ExportConfig, PredictConfig
 from chexflow.predict.model import PredictInputError, load_predictor
+from chexflow.config import check_study
+from chexflow.settings import ConfigError, from_dict
 from chexflow.train import trainer as T
 from chexflow.train.backends import Backend
-from chexflow.train.checkpoint import load_model_file
+from chexflow.train.checkpoint import ModelFileError, load_model_file
+from chexflow.train.config import TrainConfig
 from chexflow.train.models import build_model
 from conftest import REPO, build_demo_dataset, cli_env, job_counts, module_scratch, snakemake
 from test_distributed import train_cfg
@@ -127,13 +131,13 @@ class Study:
         self.root = root
         self.manifest = build_demo_dataset(root, n_images=200, image_size=RELEASE_SIZE, per_archive=100,
                                            samples_per_shard=25, stored_size=STORED)
-        cfg = C.from_dict(C.TrainConfig, train_cfg("single", epochs=2, seed=1, channels_last="auto",
+        cfg = from_dict(TrainConfig, train_cfg("single", epochs=2, seed=1, channels_last="auto",
                                                    checkpoint={"every_steps": 100}))
         paths = T.TrainPaths(manifest=self.manifest, out_dir=root / "finetune", ckpt_dir=root / "finetune" / "ckpt")
         assert T.Trainer(cfg, paths, Backend()).fit() == 0
         self.run_id = T.run_id(cfg, None)
         self.model = root / "finetune" / "model.pt"
-        evaluate.run(C.EvaluateConfig(batch_size=16, bootstrap_resamples=20, crop=CROP), model_path=self.model,
+        evaluate.run(EvaluateConfig(batch_size=16, bootstrap_resamples=20), model_path=self.model,
                      manifest=self.manifest, out_dir=root / "evaluate")
         self.metrics = root / "evaluate" / "metrics.json"
         self.evaluation = pd.read_csv(root / "evaluate" / "predictions.csv")
@@ -182,7 +186,7 @@ def read_predictions(path: Path) -> pd.DataFrame:
 @pytest.mark.slow
 def test_predict_on_the_test_pngs_gives_evaluations_probabilities(study, tmp_path):
     out = tmp_path / "predictions.csv"
-    table = predict.run(C.PredictConfig(batch_size=7, workers=0), model_path=study.model, manifest=study.manifest,
+    table = predict.run(PredictConfig(batch_size=7, workers=0), model_path=study.model, manifest=study.manifest,
                         metrics=study.metrics, out_csv=out, inputs=[study.pngs], progress=False)
     names = [Path(f).name for f in table["file"]]
     assert sorted(names) == sorted(study.scores) and (table["error"] == "").all() and (table["format"] == "PNG").all()
@@ -282,14 +286,14 @@ def test_unreadable_files_get_a_reason_and_the_others_go_on(study, tmp_path):
     (folder / "._mr.dcm").write_bytes(b"\0" * 10)
     D.plain(p, folder / "DICOMDIR")
     (tmp_path / "list.txt").write_text("in/missing.png\n")
-    cfg = C.PredictConfig(batch_size=4, workers=1, max_file_mb=1)
+    cfg = PredictConfig(batch_size=4, workers=1, max_file_mb=1)
     table = predict.run(cfg, model_path=study.model, manifest=study.manifest, metrics=study.metrics,
                         out_csv=tmp_path / "p.csv", inputs=[folder, tmp_path / "list.txt"], progress=False)
     errors = dict(zip(table["file"].map(lambda f: Path(f).name), table["error"]))
     assert sorted(errors) == sorted([*names, "cut.png", "notes.png", "empty.jpg", "huge.png", "multi.dcm",
                                      "colour.dcm", "mr.dcm", "sr.dcm", "ljpeg.dcm", "notdicom.dcm", "missing.png"])
-    expected = {"cut.png": "truncated|broken|image file is", "notes.png": "cannot identify image file",
-                "empty.jpg": "cannot identify image file", "huge.png": r"1\.5 MB, above predict\.max_file_mb \(1 MB\)",
+    expected = {"cut.png": "truncated|broken|image file is|incomplete", "notes.png": "not a PNG or JPEG file",
+                "empty.jpg": "not a PNG or JPEG file", "huge.png": r"1\.5 MB, above predict\.max_file_mb \(1 MB\)",
                 "multi.dcm": r"multi-frame \(3 frames\)", "colour.dcm": "colour or not grey", "mr.dcm": "modality MR",
                 "sr.dcm": "no pixel data", "ljpeg.dcm": "transfer syntax JPEG Lossless.*(gdcm|pylibjpeg)",
                 "notdicom.dcm": "not a readable DICOM", "missing.png": "cannot read the file .No such file"}
@@ -313,7 +317,7 @@ def test_heatmaps_one_png_per_readable_file_for_its_most_likely_finding(study, t
         (folder / name).write_bytes((study.pngs / name).read_bytes())
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     out = tmp_path / "res" / "predictions.csv"
-    table = predict.run(C.PredictConfig(heatmaps=True, workers=0, batch_size=3), model_path=study.model,
+    table = predict.run(PredictConfig(heatmaps=True, workers=0, batch_size=3), model_path=study.model,
                         manifest=study.manifest, metrics=study.metrics, out_csv=out, inputs=[folder], progress=False)
     written = read_predictions(out)
     assert list(written["heatmap"]) == list(table["heatmap"])
@@ -394,16 +398,17 @@ def test_predict_refuses_files_that_do_not_belong_together(study, tmp_path):
     other.write_text(json.dumps({**manifest, "image_size": "big"}))
     refused("'image_size' must be a side in px", manifest=other)
     info = load_model_file(study.model)
-    for change, pattern in (({"run_id": None}, "run.id"), ({"task": "multiclass"}, "got task 'multiclass'")):
+    for change, pattern in (({"run_id": None}, "run_id is a NoneType"), ({"task": "multiclass"}, "task: the file's")):
         torch.save({**info, **change}, tmp_path / "model.pt")
-        refused(pattern, model=tmp_path / "model.pt")
+        with pytest.raises(ModelFileError, match=pattern):
+            load_predictor(tmp_path / "model.pt", study.manifest, study.metrics)
     if not torch.cuda.is_available():
         with pytest.raises(PredictInputError, match="device cuda asked for"):
-            predict.run(C.PredictConfig(device="cuda"), model_path=study.model, manifest=study.manifest,
+            predict.run(PredictConfig(device="cuda"), model_path=study.model, manifest=study.manifest,
                         metrics=study.metrics, out_csv=tmp_path / "x.csv", inputs=[study.pngs], progress=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(files.NoInputsError, match="no image files"):
-        predict.run(C.PredictConfig(), model_path=study.model, manifest=study.manifest, metrics=study.metrics,
+        predict.run(PredictConfig(), model_path=study.model, manifest=study.manifest, metrics=study.metrics,
                     out_csv=tmp_path / "x.csv", inputs=[tmp_path / "empty"], progress=False)
     assert not (tmp_path / "x.csv").exists()
 
@@ -423,18 +428,19 @@ def test_list_inputs(tmp_path):
 
 
 def test_predict_and_export_settings_are_checked():
-    with pytest.raises(C.ConfigError, match="predict.batch_size: must be >= 1, got 0"):
-        C.from_dict(C.PredictConfig, {"batch_size": 0})
-    with pytest.raises(C.ConfigError, match="predict.modalities"):
-        C.from_dict(C.PredictConfig, {"modalities": []})
-    with pytest.raises(C.ConfigError, match="export.formats"):
-        C.from_dict(C.ExportConfig, {"formats": ["onnx", "onnx"]})
-    with pytest.raises(C.ConfigError, match=r"formats\[0\]: expected one of"):
-        C.from_dict(C.ExportConfig, {"formats": ["tflite"]})
-    with pytest.raises(C.ConfigError, match="export.check_images: must be >= 2"):
-        C.from_dict(C.ExportConfig, {"check_images": 1})
-    with pytest.raises(C.ConfigError, match="export.tolerance"):
-        C.from_dict(C.ExportConfig, {"tolerance": 0.0})
+    for cls, data, message in (
+            (PredictConfig, {"batch_size": 0}, "predict.batch_size: 0 is not >= 1"),
+            (PredictConfig, {"workers": -1}, "predict.workers: -1 is not >= 0"),
+            (ExportConfig, {"formats": ["onnx", "onnx"]}, "export.formats: .* lists a value twice"),
+            (ExportConfig, {"formats": ["tflite"]}, r"export.formats\[0\]: 'tflite' is not one of"),
+            (ExportConfig, {"check_images": 1}, "export.check_images: 1 is not >= 2"),
+            (ExportConfig, {"tolerance": 0.0}, r"export.tolerance: 0.0 is not in \(0, 1\)")):
+        with pytest.raises(ConfigError, match=message):
+            from_dict(cls, data, "predict" if cls is PredictConfig else "export")
+    study = yaml.safe_load((REPO / "config.yaml").read_text())
+    study["predict"] = {"enabled": True, "modalities": []}
+    with pytest.raises(ConfigError, match=r"predict.modalities: \[\] would refuse every DICOM file"):
+        check_study(study)
 
 
 # --------------------------------------------------------------------------- exports
@@ -445,7 +451,7 @@ def test_exports_agree_with_torch_and_carry_what_a_server_needs(study, tmp_path)
     card = tmp_path / "model_card.md"
     card.write_text("# Model card\nSynthetic phantoms only.\n")
     out = tmp_path / "export"
-    summary = export.run(C.ExportConfig(check_images=16), model_path=study.model, manifest=study.manifest,
+    summary = export.run(ExportConfig(check_images=16), model_path=study.model, manifest=study.manifest,
                          metrics=study.metrics, out_dir=out, model_card=card)
     recorded = json.loads((out / "export.json").read_text())
     assert recorded == json.loads(json.dumps(summary))
@@ -502,7 +508,7 @@ def test_export_beyond_tolerance_writes_nothing(study, tmp_path):
     out = tmp_path / "export"
     with pytest.raises(export.ExportMismatchError,
                        match=r"(torchscript|onnx) export of .*differ from torch's by .* > export.tolerance 1e-12"):
-        export.run(C.ExportConfig(formats=("torchscript", "onnx"), check_images=4, tolerance=1e-12),
+        export.run(ExportConfig(formats=("torchscript", "onnx"), check_images=4, tolerance=1e-12),
                    model_path=study.model, manifest=study.manifest, metrics=study.metrics, out_dir=out)
     assert not out.exists() or [p.name for p in out.iterdir()] == []
 
@@ -540,8 +546,8 @@ def test_rules_run_on_the_chain_outputs(study, tmp_path):
     for k, name in enumerate(names):
         D.plain(study.png(name), tmp_path / "scans" / f"{k}.dcm")
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
-    cfg["predict"].update(enabled=True, inputs=["scans"], heatmaps=True, workers=0)
-    cfg["export"].update(enabled=True, formats=["onnx"], check_images=4)
+    cfg["predict"] = {"enabled": True, "inputs": ["scans"], "heatmaps": True, "workers": 0}
+    cfg["export"] = {"enabled": True, "formats": ["onnx"], "check_images": 4}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(tmp_path, "--allowed-rules", "predict_images", "export_model", "--",
                      "results/predict/predictions.csv", "results/export/export.json")
@@ -559,7 +565,7 @@ def test_rules_run_on_the_chain_outputs(study, tmp_path):
 def test_predict_on_cuda_gives_the_cpu_probabilities(study, tmp_path):
     """The same files on the GPU (bench/gpu_check.sh runs this): the probabilities of the CPU run,
     to the tolerance of different kernels."""
-    runs = {device: predict.run(C.PredictConfig(device=device, heatmaps=True), model_path=study.model,
+    runs = {device: predict.run(PredictConfig(device=device, heatmaps=True), model_path=study.model,
                                 manifest=study.manifest, metrics=study.metrics,
                                 out_csv=tmp_path / device / "p.csv", inputs=[study.pngs], progress=False)
             for device in ("cpu", "cuda")}

@@ -5,9 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from chexflow.report import render
 from chexflow.studies import scaling, sweep
+from chexflow.train import checkpoint as ckpt
 from test_report import _make_inputs, _table
 
 
@@ -23,18 +25,22 @@ def _study_inputs(tmp_path: Path, inputs: dict) -> dict:
                                  "global_batch": 8 * w}))
         points.append(p)
     scaling.write_summary(points, out_csv=d / "scaling.csv", out_json=d / "scaling.json", out_png=d / "scaling.png")
-    model = d / "t001_model.pt"
-    model.write_bytes(b"weights of trial t001")
+    model = d / "t001_model.pt"      # the selection copies only a checked model file of the winner's run
+    ckpt.save_atomic(ckpt.model_record(
+        state_dict={"w": torch.zeros(1)}, run_id="t001run", stage="finetune", dataset="nih_demo", task="multilabel",
+        labels=["Mass"], arch="resnet18", in_channels=1, crop=32, epoch=1, val_metric=0.66,
+        val_metric_name="mean_auroc", config={}), model)
     results = []
     for trial, status, val, reason in (("t000", "ok", 0.61, None), ("t001", "ok", 0.66, None),
                                        ("t002", "failed", None, "diverged: non-finite training loss at step 3")):
         r = d / f"{trial}.json"
         r.write_text(json.dumps({"trial": trial, "params": {"optim.lr": {"t000": 1e-3, "t001": 3e-3, "t002": 10.0}[trial]},
                                  "status": status, "val_metric": val, "val_metric_name": "mean_auroc",
-                                 "reason": reason, "model": str(model) if trial == "t001" else None}))
+                                 "reason": reason, "model": str(model) if trial == "t001" else None,
+                                 "run_id": f"{trial}run"}))
         results.append(r)
     sweep.write_selection(results, out_csv=d / "trials.csv", out_json=d / "selection.json", out_model=d / "winner.pt")
-    assert (d / "winner.pt").read_bytes() == b"weights of trial t001"
+    assert (d / "winner.pt").read_bytes() == model.read_bytes()
     ablation = json.loads(inputs["metrics_json"].read_text())
     for e in ablation["labels"].values():
         if e["auroc"] is not None:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chexflow.config import ConfigError, TrainConfig
-from chexflow.studies import ablation
+from chexflow.settings import ConfigError
+from chexflow.train import config as ablation
+from chexflow.train.config import TrainConfig
 from conftest import REPO, job_counts, snakemake
 
 
@@ -70,7 +71,7 @@ def test_ablation_rules_tiny(tmp_path, demo_manifest):
     """The random-init run (main run from the pretraining model) trained and evaluated on test for real."""
     cfg, cfgfile = _config(tmp_path, init="pretrained", backend="single", epochs=1, batch_size=16)
     cfg["finetune"]["data"].update(crop=32, workers=0, samples_per_epoch=64)
-    cfg["evaluate"].update(crop=32, bootstrap_resamples=50)
+    cfg["evaluate"]["bootstrap_resamples"] = 50
     cfgfile.write_text(yaml.safe_dump(cfg))
     shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/nih_demo")
     proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--set-resources", "finetune_ablation:tasks=1",

@@ -11,8 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from chexflow.config import (ConfigError, DemoReleaseConfig, EvaluateConfig, ExportConfig, PredictConfig,
-                             ScalingConfig, ShardConfig, TrainConfig, from_dict, load_stage_config)
+from chexflow.data.config import DemoReleaseConfig, ShardConfig
+from chexflow.evaluate.config import EvaluateConfig
+from chexflow.predict.config import ExportConfig, PredictConfig
+from chexflow.settings import ConfigError, from_dict, load_stage_config
+from chexflow.studies.config import ScalingConfig
+from chexflow.train.config import TrainConfig
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -44,16 +48,16 @@ def cmd_make_demo_release(args) -> None:
 
 
 def cmd_download(args) -> None:
-    from chexflow.data import download, sources
-    src = sources.get_source(args.dataset, n_archives=args.n_archives)
-    src = sources.with_test_pins(src, sources.load_test_registry())   # tests only: see sources.py
+    from chexflow.data import download, registry, sources
+    src = registry.get_source(args.dataset, n_archives=args.n_archives)
+    src = sources.with_test_pins(src, registry.load_test_registry())   # tests only: see sources.py
     download.fetch_source_file(src, args.file, args.dest, args.mirror or None, progress=True)
 
 
 def cmd_split(args) -> None:
-    from chexflow.data import nih, shards, sources
+    from chexflow.data import nih, registry, shards, sources
     cfg = _load(ShardConfig, args)
-    content = sources.registry_content(sources.load_test_registry(), cfg.dataset)   # tests only
+    content = sources.registry_content(registry.load_test_registry(), cfg.dataset)   # tests only
     df = shards.split_dataset(cfg.dataset, args.raw, cfg, args.out,
                               expected=nih.ReleaseCounts(**content) if content else None)
     counts = df.groupby("split").agg(images=("image", "size"), patients=("patient", "nunique"))
@@ -63,7 +67,8 @@ def cmd_split(args) -> None:
 def cmd_shards(args) -> None:
     from chexflow.data import shards
     cfg = _load(ShardConfig, args)
-    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, progress=True)
+    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, n_archives=args.n_archives,
+                          progress=True)
     print(f"{cfg.dataset}/{args.part}: {len(m['shards'])} shards, "
           f"{sum(s['count'] for s in m['shards'])} images, {len(m['rejects'])} rejected")
 
@@ -78,10 +83,13 @@ def cmd_gather(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from chexflow.train.trainer import TrainPaths, run
+    from chexflow.train.run import start
+    from chexflow.train.trainer import TrainPaths
     cfg = _load(TrainConfig, args)
-    run(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
-                        pretrained=args.pretrained, tensorboard=args.tensorboard))
+    outcome = start(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
+                                    pretrained=args.pretrained, tensorboard=args.tensorboard))
+    if outcome.exit_code:
+        sys.exit(outcome.exit_code)
 
 
 def cmd_launch(args) -> None:
@@ -92,10 +100,30 @@ def cmd_launch(args) -> None:
     sys.exit(launch(backend, args.n, cmd))
 
 
+def _expected_run_ids(args) -> set[str] | None:
+    """The run ids the model to evaluate may carry: of the training section (--train-config-json)
+    or, with --trials-json, of each sweep trial's overrides of it; None when no section is given."""
+    from chexflow.evaluate.run import expected_run_ids
+    if args.train_config_json is None:
+        if args.trials_json is not None:
+            raise ConfigError("--trials-json needs --train-config-json (the section the trials override)")
+        return None
+    section = load_stage_config(TrainConfig, text=args.train_config_json)
+    if args.trials_json is None:
+        return expected_run_ids([section], args.pretrained)
+    from chexflow.studies.sweep import apply_params
+    trials = json.loads(args.trials_json)
+    if not isinstance(trials, list) or not all(isinstance(t, dict) for t in trials):
+        raise ConfigError(f"--trials-json: expected a list of mappings (the trials' overrides), got {trials!r}")
+    base = json.loads(args.train_config_json)
+    return expected_run_ids([from_dict(TrainConfig, apply_params(base, t)) for t in trials], args.pretrained)
+
+
 def cmd_evaluate(args) -> None:
     from chexflow.evaluate.run import run
     cfg = _load(EvaluateConfig, args)
-    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir)
+    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir,
+              expect_run_ids=_expected_run_ids(args))
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
@@ -199,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", type=Path, required=True)
     p.add_argument("--splits", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True, help="directory of this part's shards")
+    p.add_argument("--n-archives", type=int, default=None,
+                   help="a generated release (nih_demo*): its number of archives, as configured")
     p.set_defaults(func=cmd_shards)
 
     p = sub.add_parser("gather", help="combine part manifests into the dataset manifest")
@@ -230,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--manifest", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--train-config-json", default=None,
+                   help="the training section (with stage, dataset) that should have produced the model: its run "
+                        "id must be the model file's (the rules pass it; without it the run id is not checked)")
+    p.add_argument("--pretrained", type=Path, default=None,
+                   help="the pretraining model, for a section with init: pretrained (part of the run id)")
+    p.add_argument("--trials-json", default=None,
+                   help="sweep: the trials' overrides of that section (a JSON list); the model must be one trial's")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("predict", help="the fine-tuned model on PNG/JPEG/DICOM files: one CSV row per file")

@@ -26,7 +26,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from chexflow.config import AugmentConfig
+from chexflow.data.config import AugmentConfig
 from chexflow.fsutil import atomic_path
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import images
 from chexflow.data.archives import ArchiveError, posix_basename, safe_members
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
@@ -296,15 +296,22 @@ def _log_skip(member: str, reason: str) -> None:
     log.warning("skipping archive member %r: %s", member, reason)
 
 
-def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None = None
-                 ) -> Iterator[tuple[str, bytes]]:
-    """Stream ``(basename, bytes)`` for every ``.png`` member of a ``.tar.gz``, in archive order.
+def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None = None,
+                 max_member_bytes: int | None = None) -> Iterator[tuple[str, bytes]]:
+    """``(basename, bytes)`` of every ``.png`` member of a ``.tar.gz``, in archive order (``iter_members``)."""
+    for member, data in iter_members(path, on_skip=on_skip, max_member_bytes=max_member_bytes):
+        yield posix_basename(member), data
+
+
+def iter_members(path: Path | str, *, on_skip: Callable[[str, str], None] | None = None,
+                 max_member_bytes: int | None = None) -> Iterator[tuple[str, bytes]]:
+    """Stream ``(member name, bytes)`` for every ``.png`` member of a ``.tar.gz``, in archive order.
 
     Reads without extracting, in tarfile's streaming mode (``r|`` over a ``gzip`` stream), so an
-    archive is read once, sequentially. Every member first passes ``tarfile.data_filter`` (the
-    'data' extraction filter: ``..``, links pointing outside, device files are rejected); in
-    addition absolute member names (which the filter would merely strip) are rejected and only
-    regular files are accepted (no symlinks or hard links at all).
+    archive is read once, sequentially. Every member first passes ``archives.safe_members``: the
+    tar 'data' filter (``..``, links pointing outside, device files), absolute member names, only
+    regular files (no symlinks or hard links at all), and at most ``max_member_bytes`` by its
+    header (a larger member is skipped unread).
     Rejected members are reported through ``on_skip(member_name, reason)`` (default: a logged
     warning) and skipped; directories and non-PNG files are skipped silently.
 
@@ -320,15 +327,14 @@ def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None
         with gzip.open(path, "rb") as gz:
             # 1 MiB reads instead of tarfile's 10 KiB records: far fewer gzip calls per image
             with tarfile.open(fileobj=gz, mode="r|", bufsize=_TAR_READ_BYTES) as tar:
-                for member in safe_members(tar, report):
+                for member in safe_members(tar, report, max_bytes=max_member_bytes):
                     if not member.name.lower().endswith(".png"):
                         continue
                     fh = tar.extractfile(member)
                     if fh is None:  # pragma: no cover - isfile() members always have data
                         report(member.name, "no data")
                         continue
-                    data = fh.read()
-                    yield posix_basename(member.name), data
+                    yield member.name, fh.read()
             while gz.read(1 << 20):  # drain: verifies the gzip trailer (length and CRC)
                 pass
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
@@ -387,6 +393,7 @@ class NIHDataset(Dataset):
     name: str = "nih"
     stage: str = "finetune"
     split_roles: tuple[str, ...] = ("labels", "split_list")
+    shard_options: tuple[str, ...] = ("max_member_mb", "max_image_megapixels")
     patient_pool: str = "finetune"
 
     def source_options(self) -> dict:
@@ -397,11 +404,6 @@ class NIHDataset(Dataset):
 
     def source(self, n_archives: int | None = None) -> Source:
         return demo_source(n_archives, self.name) if self.generated else release_source(n_archives)
-
-    def source_in(self, raw_dir: Path) -> Source:
-        if not self.generated:
-            return self.source()
-        return self.source(max(1, len(list(Path(raw_dir).glob("images_[0-9][0-9][0-9].tar.gz")))))
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
         """``images_001`` ... one per archive: ``n_archives`` of a generated release, else the
@@ -439,18 +441,22 @@ class NIHDataset(Dataset):
 
     def samples(self, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
                 report: Report) -> Iterator[tuple]:
+        """The key of a sample is the member's file name (the label table's ``Image Index``)."""
         split_of = dict(zip(splits["image"], splits["split"]))
         patient_of = dict(zip(splits["image"], splits["patient"]))
         table = read_labels(Path(raw_dir) / LABEL_CSV_NAME)
         targets = dict(zip(table.index, table[list(LABELS)].to_numpy(dtype=np.float32)))
-        for fname, data in iter_archive(Path(raw_dir) / f"{part}.tar.gz", on_skip=report):
+        archive = f"{part}.tar.gz"
+        for member, data in iter_members(Path(raw_dir) / archive, on_skip=report,
+                                         max_member_bytes=images.million(cfg.max_member_mb)):
+            fname = posix_basename(member)
             if fname not in split_of:
-                report(fname, "not in the label file or split lists")
+                report(member, "not in the label file or split lists")
                 continue
-            yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
+            yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data, f"{archive}:{member}"
 
-    def decode(self, data: bytes, key: str, size: int) -> np.ndarray:
-        return images.decode_grey(data, name=key, size=size)
+    def decode(self, data: bytes, key: str, cfg: ShardConfig) -> np.ndarray:
+        return images.decode_grey(data, name=key, size=cfg.image_size, max_pixels=images.million(cfg.max_image_megapixels))
 
 
 ADAPTER = NIHDataset()

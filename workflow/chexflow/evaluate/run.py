@@ -13,13 +13,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from chexflow.config import EvaluateConfig
+from chexflow.evaluate.config import EvaluateConfig
+from chexflow.train.config import TrainConfig
 from chexflow.data import loader
 from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc, mean_auroc, operating_point, youden_threshold
 from chexflow.evaluate.published import CHEXNET
 from chexflow.fsutil import atomic_path, write_text_atomic
-from chexflow.train.checkpoint import load_model_file
-from chexflow.train.models import build_model
+from chexflow.train.checkpoint import load_model
 
 
 def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
@@ -37,17 +37,34 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
     return np.concatenate(scores), np.concatenate(targets), patients, images
 
 
-def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path) -> dict:
+def expected_run_ids(train_cfgs: list[TrainConfig], pretrained: Path | None) -> set[str]:
+    """The run ids a model to evaluate may carry: those of the training settings that should have
+    produced it (the finetune section; the sweep's trials) with its pretraining model."""
+    from chexflow.train.trainer import run_id
+    for c in train_cfgs:
+        if c.init == "pretrained" and pretrained is None:
+            raise ValueError(f"{c.stage}.init is pretrained: the pretraining model is needed to compute the "
+                             "expected run id of the model (--pretrained)")
+    return {run_id(c, pretrained) for c in train_cfgs}
+
+
+def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
+        expect_run_ids: set[str] | None = None) -> dict:
+    """Evaluate the model file ``model_path`` on the test split of ``manifest``. The file must be a
+    multi-label model of the manifest's labels and, with ``expect_run_ids``, carry one of those run
+    ids (a stale model of other settings is refused naming both)."""
     out_dir = Path(out_dir)
-    info = load_model_file(model_path)
-    if info.get("task") != "multilabel":
-        raise ValueError(f"{model_path}: evaluation expects the fine-tuned multi-label model, got task {info.get('task')!r}")
+    expect = {"task": "multilabel", "labels": list(loader.read_manifest(manifest)["labels"])}
+    if expect_run_ids is not None:
+        ids = sorted(expect_run_ids)
+        expect["run_id"] = ids[0] if len(ids) == 1 else frozenset(ids)
+    else:
+        print(f"{model_path}: run id not checked (no training settings given)", flush=True)
+    model, info = load_model(model_path, expect=expect)
     labels = list(info["labels"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
-    model.load_state_dict(info["state_dict"])
     model.to(device)
-    crop = int(info.get("crop", cfg.crop))
+    crop = info["crop"]
 
     val = predict(model, loader.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
     test = predict(model, loader.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)
@@ -58,7 +75,8 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
     defined = [label for label in labels if per_label[label] is not None]
     result = {"labels": {}, "mean_auroc": mean_auroc(per_label), "mean_auroc_labels": defined,
               "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
-              "n_patients": int(len(set(patients))), "model": str(model_path),
+              "n_patients": int(len(set(patients))), "model": str(model_path), "model_run_id": info["run_id"],
+              "model_run_id_checked": expect_run_ids is not None,
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
               "bootstrap": {"n_resamples": cfg.bootstrap_resamples, "seed": cfg.seed,
                             "mean_auroc_ci": boot.get("mean_auroc_ci")}}

@@ -23,12 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chexflow.config import ExportConfig, to_dict
 from chexflow.data import loader
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
 from chexflow.predict import EXPORT_FILES as FILES
 from chexflow.predict import EXPORT_SUMMARY
+from chexflow.predict.config import ExportConfig
 from chexflow.predict.model import Predictor, load_predictor
+from chexflow.settings import to_dict
 
 METADATA = "chexflow.json"
 CARD = "model_card.md"

@@ -8,6 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from chexflow.data import dicom, images, registry
+from chexflow.data.config import ShardConfig
+from chexflow.predict.config import PredictConfig
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".dcm", ".dicom")
 DICOM_SUFFIXES = (".dcm", ".dicom")
@@ -72,11 +74,10 @@ def _listed(list_file: Path) -> list[Path]:
 @dataclass(frozen=True)
 class Reader:
     """Reads one file to uint8 ``stored_size x stored_size`` grey pixels, the way the training path
-    stored its images: PNG/JPEG (whatever Pillow opens) through the dataset's shard-stage ``decode``,
-    DICOM through ``data.dicom`` and the same centre square and resize (``images.resize_square``).
-    Plain values only: loader worker processes get a copy."""
-    dataset: str
-    stored_size: int
+    stored its images: PNG/JPEG through the dataset's shard-stage ``decode`` (``shard``: its dataset,
+    stored side and pixel bound), DICOM through ``data.dicom`` and the same centre square and resize
+    (``images.resize_square``). Plain values only: loader worker processes get a copy."""
+    shard: ShardConfig
     modalities: tuple[str, ...] = dicom.RADIOGRAPH_MODALITIES
     max_bytes: int = 512 << 20
 
@@ -93,9 +94,16 @@ class Reader:
         except OSError as exc:
             raise images.DecodeError(name, f"cannot read the file ({exc.strerror or exc})") from exc
         if dicom.is_dicom(data) or path.suffix.lower() in DICOM_SUFFIXES:
-            full = dicom.decode_dicom(data, name=name, modalities=self.modalities)
-            return images.resize_square(full, self.stored_size), "DICOM"
-        return registry.get(self.dataset).decode(data, name, self.stored_size), _format(data)
+            full = dicom.decode_dicom(data, name=name, modalities=self.modalities,
+                                      max_pixels=images.million(self.shard.max_image_megapixels))
+            return images.resize_square(full, self.shard.image_size), "DICOM"
+        return registry.get(self.shard.dataset).decode(data, name, self.shard), _format(data)
+
+
+def reader_for(dataset: str, stored_size: int, cfg: PredictConfig) -> Reader:
+    """The reader of ``chexflow predict`` for a model trained on ``dataset`` stored at ``stored_size`` px."""
+    shard = ShardConfig(dataset=dataset, image_size=stored_size, max_image_megapixels=cfg.max_image_megapixels)
+    return Reader(shard, tuple(cfg.modalities), cfg.max_file_mb << 20)
 
 
 def _format(data: bytes) -> str:

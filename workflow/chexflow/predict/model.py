@@ -2,7 +2,7 @@
 did to its images (:class:`Preprocess`), its labels, the thresholds chosen on validation, its run id.
 
 Three files make a :class:`Predictor`, each checked (every file read is untrusted):
-- ``model.pt`` (``checkpoint.load_model_file``): weights, architecture, labels, crop, run id;
+- ``model.pt`` (``checkpoint.load_model``, which checks it): weights, architecture, labels, crop, run id;
 - the dataset manifest the model was trained on: the stored side of its shards and the dataset
   whose decoding the files go through (``registry.get(dataset).decode``, the shard stage's);
 - ``metrics.json`` of the evaluation: ``threshold_val_youden`` per label, chosen on validation.
@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from chexflow.data import loader, registry
-from chexflow.train.checkpoint import load_model_file
-from chexflow.train.models import build_model
+from chexflow.train.checkpoint import load_model
 
 
 class PredictInputError(ValueError):
@@ -87,23 +86,11 @@ def pick_device(choice: str) -> torch.device:
 def load_predictor(model_path: Path, manifest_path: Path, metrics_path: Path, *,
                    device: torch.device | None = None) -> tuple[Predictor, dict]:
     """The predictor of a fine-tuned model file, and the file's content (for provenance)."""
-    info = load_model_file(model_path)
-    if info.get("task") != "multilabel":
-        raise PredictInputError(f"{model_path}: predict needs the fine-tuned multi-label model, "
-                                f"got task {info.get('task')!r}")
-    labels = tuple(info.get("labels") or ())
-    run_id = info.get("run_id")
-    if not isinstance(run_id, str) or not run_id:
-        raise PredictInputError(f"{model_path}: the model file names no run id (written by an older chexflow); "
-                                "fine-tune it again")
-    crop = info.get("crop")
-    if not isinstance(crop, int) or crop < 1:
-        raise PredictInputError(f"{model_path}: no valid 'crop' (got {crop!r})")
+    model, info = load_model(model_path, expect={"task": "multilabel"})   # checked: weights only, format, fields
+    labels, run_id, crop = tuple(info["labels"]), info["run_id"], info["crop"]
     stored, dataset = _read_manifest(Path(manifest_path), labels)
     thresholds = read_thresholds(Path(metrics_path), labels, info)
     device = device or torch.device("cpu")
-    model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
-    model.load_state_dict(info["state_dict"])
     model = model.to(device).eval()
     return Predictor(model, labels, thresholds, run_id, Preprocess(stored, crop), dataset, device), info
 

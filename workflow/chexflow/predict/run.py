@@ -17,10 +17,10 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from chexflow.config import PredictConfig
 from chexflow.data.images import DecodeError
 from chexflow.fsutil import atomic_path
-from chexflow.predict.files import Reader, list_inputs
+from chexflow.predict.config import PredictConfig
+from chexflow.predict.files import Reader, list_inputs, reader_for
 from chexflow.predict.model import Predictor, load_predictor, pick_device
 
 
@@ -56,7 +56,7 @@ def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, 
     Heatmaps (``cfg.heatmaps``) go to ``heatmap_dir`` (default: ``heatmaps/`` beside the CSV)."""
     files = list_inputs(inputs or cfg.inputs)
     predictor, _ = load_predictor(model_path, manifest, metrics, device=pick_device(cfg.device))
-    reader = Reader(predictor.dataset, predictor.preprocess.stored_size, cfg.modalities, cfg.max_file_mb << 20)
+    reader = reader_for(predictor.dataset, predictor.preprocess.stored_size, cfg)
     out_csv = Path(out_csv)
     heat = None
     if cfg.heatmaps:

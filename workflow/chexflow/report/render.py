@@ -30,7 +30,7 @@ from chexflow.evaluate import published
 from chexflow.evaluate.metrics import operating_point, paired_bootstrap_auroc_diff, youden_threshold
 from chexflow.fsutil import write_text_atomic
 from chexflow.report import plots
-from chexflow.studies import ablation
+from chexflow.train import config as train_config
 
 __all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions"]
 
@@ -515,7 +515,7 @@ def _ablation_view(main: dict[str, Any], other: dict[str, Any], config: dict,
                    other_predictions: pd.DataFrame | None = None) -> dict[str, Any]:
     """Pretrained vs random init; with both runs' predictions, the paired patient-bootstrap CI of the
     difference of test mean AUROC (pretrained - random) on the same images, and its verdict."""
-    main_init, other_init = ablation.main_init(config), ablation.other_init(config)
+    main_init, other_init = train_config.main_init(config), train_config.other_init(config)
     names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}
     rows = []
     for init, m, where in ((main_init, main, "results/evaluate"), (other_init, other, "results/ablation/evaluate")):
