@@ -36,9 +36,10 @@ include: "rules/report.smk"
 include: "rules/scaling.smk"
 include: "rules/sweep.smk"
 include: "rules/ablation.smk"
+include: "rules/predict.smk"
 
 
 rule all:
     input:
         "results/report/chexflow_report.html",
-        study_targets(),  # scaling / sweep / ablation outputs, when enabled in config.yaml
+        study_targets(),  # scaling / sweep / ablation / predict / export outputs, when enabled in config.yaml

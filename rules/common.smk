@@ -153,7 +153,38 @@ def study_targets():
     if study_enabled("sweep"):
         targets.append("results/sweep/evaluate/metrics.json")
     targets += [f"{r.eval_dir}/metrics.json" for r in ablation_runs() if not r.is_main]
+    if study_enabled("predict"):
+        targets.append(predict_outputs()["predictions"])
+    if study_enabled("export"):
+        targets.append(export_outputs()["summary"])
     return targets
+
+
+# ------------------------------------------------------------------ using the model (rules/predict.smk)
+def predict_inputs():
+    """The folders, files and .txt lists predict.inputs names (Snakemake checks they exist)."""
+    return list(STUDY.predict.inputs)
+
+
+def predict_outputs():
+    """predict_images' outputs: the CSV, and the heatmaps' folder with predict.heatmaps."""
+    out = {"predictions": "results/predict/predictions.csv"}
+    if STUDY.predict.heatmaps:
+        out["heatmaps"] = directory("results/predict/heatmaps")
+    return out
+
+
+def heatmap_dir_arg(wildcards, output):
+    """Params function: `--heatmap-dir DIR` when the job declares the heatmaps' folder."""
+    return f"--heatmap-dir {output.heatmaps}" if "heatmaps" in output.keys() else ""
+
+
+def export_outputs():
+    """export_model's outputs: one file per format of export.formats, and the checks' summary."""
+    from chexflow.predict import EXPORT_FILES, EXPORT_SUMMARY
+
+    files = {f: f"results/export/{EXPORT_FILES[f]}" for f in STUDY.export.formats}
+    return {**files, "summary": f"results/export/{EXPORT_SUMMARY}"}
 
 
 def _sweep_trials():

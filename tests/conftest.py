@@ -60,8 +60,9 @@ def job_counts(stdout: str) -> dict[str, int]:
 
 
 def build_demo_dataset(root: Path, *, n_images: int = 240, image_size: int = 32, per_archive: int = 80,
-                       samples_per_shard: int = 20) -> Path:
-    """The demo chain at toy scale through the package's own functions; returns the manifest path."""
+                       samples_per_shard: int = 20, stored_size: int | None = None) -> Path:
+    """The demo chain at toy scale through the package's own functions; returns the manifest path.
+    ``stored_size``: the shards' side (default ``image_size``, the release's PNG side)."""
     from chexflow.data import download, registry, shards, sources
     from chexflow.data.phantoms.release import make_release
     release = root / "release"
@@ -72,7 +73,7 @@ def build_demo_dataset(root: Path, *, n_images: int = 240, image_size: int = 32,
     raw = root / "raw"
     for name in sources.file_names(src):
         download.fetch_source_file(src, name, raw, str(release), progress=False)
-    cfg = ShardConfig(dataset="nih_demo", image_size=image_size, samples_per_shard=samples_per_shard,
+    cfg = ShardConfig(dataset="nih_demo", image_size=stored_size or image_size, samples_per_shard=samples_per_shard,
                       val_fraction=0.2, max_reject_fraction=0.0)
     return shards.build_dataset("nih_demo", raw, root / "shards", cfg, n_archives=n_archives)
 

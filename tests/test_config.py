@@ -220,6 +220,10 @@ BAD = [
      r"sweep trial t001 \{\"batch_size\": 32\}: finetune\.data\.samples_per_epoch: 24 is not >= 32"),
     # ablation
     ({"ablation.enabled": "yes"}, r"ablation\.enabled: expected true/false, got 'yes'"),
+    # predict, export (sections absent from config.yaml: their defaults)
+    ({"predict.batch_size": 0}, r"predict\.batch_size: 0 is not >= 1"),
+    ({"predict.enabled": True, "predict.modalities": []}, r"predict\.modalities: \[\] would refuse every DICOM"),
+    ({"export.tolerance": 0.0}, r"export\.tolerance: 0\.0 is not in \(0, 1\)"),
     # a section no one reads
     ({"trainig": {"backend": "ddp"}}, r"trainig: unknown section"),
 ]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from chexflow.data.config import DemoReleaseConfig, ShardConfig
 from chexflow.evaluate.config import EvaluateConfig
+from chexflow.predict.config import ExportConfig, PredictConfig
 from chexflow.settings import ConfigError, from_dict, load_stage_config
 from chexflow.studies.config import ScalingConfig
 from chexflow.train.config import TrainConfig
@@ -126,6 +127,22 @@ def cmd_evaluate(args) -> None:
               expect_run_ids=_expected_run_ids(args), label_table=args.label_table, boxes=args.boxes,
               box_frame=args.box_frame, heatmaps=not args.no_heatmaps)
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
+
+
+def cmd_predict(args) -> None:
+    from chexflow.predict.run import run
+    cfg = _load(PredictConfig, args)
+    run(cfg, model_path=args.model, manifest=args.manifest, metrics=args.metrics, out_csv=args.out,
+        inputs=args.inputs, heatmap_dir=args.heatmap_dir)
+
+
+def cmd_export(args) -> None:
+    from chexflow.predict.export import run
+    cfg = _load(ExportConfig, args)
+    summary = run(cfg, model_path=args.model, manifest=args.manifest, metrics=args.metrics, out_dir=args.out_dir,
+                  model_card=args.model_card)
+    for fmt, e in summary["exports"].items():
+        print(f"{fmt}: {args.out_dir / e['file']} (max |export - torch| {max(e['max_abs_diff'].values()):.3g})")
 
 
 def cmd_report(args) -> None:
@@ -254,6 +271,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--box-frame", type=int, default=None, help="side (px) of the images the boxes refer to")
     p.add_argument("--no-heatmaps", action="store_true", help="no Grad-CAM (the ablation's runs)")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("predict", help="the fine-tuned model on PNG/JPEG/DICOM files: one CSV row per file")
+    _add_config(p)
+    p.add_argument("--model", type=Path, required=True, help="results/finetune/model.pt")
+    p.add_argument("--manifest", type=Path, required=True,
+                   help="manifest of the data the model was trained on (its stored image size)")
+    p.add_argument("--metrics", type=Path, required=True,
+                   help="evaluation's metrics.json (the thresholds chosen on validation)")
+    p.add_argument("--out", type=Path, required=True, help="the CSV to write")
+    p.add_argument("--heatmap-dir", type=Path, default=None, help="with predict.heatmaps (default: beside --out)")
+    p.add_argument("inputs", nargs="*", help="folders, image files or .txt lists (default: predict.inputs)")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("export", help="TorchScript and ONNX of the fine-tuned model, checked against torch")
+    _add_config(p)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, required=True, help="its dataset (the test images of the check)")
+    p.add_argument("--metrics", type=Path, required=True, help="evaluation's metrics.json (thresholds)")
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--model-card", type=Path, default=None, help="carried along when the file exists")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("scale-point", help="one rank of the scaling study at one world size")
     _add_config(p)

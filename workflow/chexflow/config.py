@@ -24,13 +24,14 @@ from chexflow.data import registry
 from chexflow.data.config import DemoReleaseConfig, ShardConfig, SourceConfig
 from chexflow.data.dataset import ShardError
 from chexflow.evaluate.config import EvaluateConfig
+from chexflow.predict.config import ExportConfig, PredictConfig
 from chexflow.settings import ConfigError, build, dataclass_schema, normalize_numbers, to_dict
 from chexflow.studies.config import AblationConfig, ScalingConfig, SweepConfig
 from chexflow.train import config as train_config
 from chexflow.train.config import STAGES, TrainConfig
 
 STUDY_SECTIONS = {"evaluate": EvaluateConfig, "scaling": ScalingConfig, "sweep": SweepConfig,
-                  "ablation": AblationConfig}
+                  "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
 REQUIRED = ("study", "shards", "pretrain", "finetune")
 # ShardConfig fields the workflow sets: the dataset (the section's name) and a pilot subset of the
 # archives (datasets.<name>.archives); a dataset's own keys (train_parts, ...) only where its adapter has
@@ -57,6 +58,8 @@ class Study:
     scaling: ScalingConfig
     sweep: SweepConfig
     ablation: AblationConfig
+    predict: PredictConfig
+    export: ExportConfig
 
     def dataset(self, stage: str) -> str:
         return self.pretrain_dataset if stage == "pretrain" else self.finetune_dataset
@@ -310,6 +313,9 @@ def _study_relations(s: Study, p: _Problems) -> None:
     if s.sweep.enabled and p.ok("sweep") and "finetune" in s.train and _stage_ok("finetune", p):
         for message in _sweep_trials(s):
             p.add("sweep", message)
+    if s.predict.enabled and not s.predict.modalities:
+        p.add("predict.modalities", "predict.modalities: [] would refuse every DICOM file; name the accepted "
+                                    "modalities (e.g. [CR, DX, DR])")
 
 
 def _sweep_trials(s: Study) -> list[str]:
