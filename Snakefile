@@ -9,11 +9,18 @@ min_version("9.0")
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
+from chexflow.config import check_study
+
 
 configfile: "config.yaml"
 
 
 report: "report/workflow.rst"
+
+
+# Every range and every relation between settings, all problems at once, before any job
+# (chexflow.config.check_study); then the generated schema, as editors and `snakemake --lint` see it.
+STUDY = check_study(config)
 
 
 validate(config, "workflow/chexflow/schemas/config.schema.yaml")
@@ -29,6 +36,7 @@ include: "rules/report.smk"
 include: "rules/scaling.smk"
 include: "rules/sweep.smk"
 include: "rules/ablation.smk"
+include: "rules/predict.smk"
 
 
 onstart:
@@ -38,4 +46,4 @@ onstart:
 rule all:
     input:
         "results/report/chexflow_report.html",
-        study_targets(),  # scaling / sweep / ablation outputs, when enabled in config.yaml
+        study_targets(),  # scaling / sweep / ablation / predict / export outputs, when enabled in config.yaml

@@ -43,7 +43,11 @@ def setkey(d: dict, key: str, value) -> None:
 
 
 def section(conf: dict, name: str, overrides: dict) -> dict:
-    out = copy.deepcopy(conf.get(name, {}))
+    """config.yaml's section ``name`` (a training stage: over the shared training: section) with overrides."""
+    from chexflow.config import stage_settings
+    from chexflow.train.config import STAGES
+    base = stage_settings(conf, name, "") if name in STAGES else conf.get(name, {})
+    out = {k: v for k, v in copy.deepcopy(base).items() if k not in ("stage", "dataset")}
     for k, v in overrides.items():
         setkey(out, k, v)
     return out
@@ -63,7 +67,8 @@ def run(cmd: list[str], log: Path, env: dict) -> None:
 
 def build(work: Path, name: str, dataset: str, release: dict, shard_cfg: dict, env: dict) -> Path:
     """Release + split + shards + gather of one phantom release; returns its manifest."""
-    from chexflow.config import DemoReleaseConfig, from_dict
+    from chexflow.data.config import DemoReleaseConfig
+    from chexflow.settings import from_dict
     from chexflow.data import registry
     from chexflow.data.phantoms.release import make_release
     manifest = work / "shards" / name / "manifest.json"

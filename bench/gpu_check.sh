@@ -12,7 +12,9 @@
 # 3. runs the demo chain with CUDA (profiles/default + bench/gpu_check.yaml, in a scratch dir);
 # 4. runs the throughput benchmark (bench/train_throughput.py: bare torchvision loop vs chexflow's
 #    full path vs the loader alone, same process) for ResNet-50 and DenseNet-121 at 224 px, bf16,
-#    batch 256, and the optimizer step by kernel implementation (bench/optimizer_step.py).
+#    batch 256, and the optimizer step by kernel implementation (bench/optimizer_step.py);
+#    `chexflow predict` against a plain decode-and-infer loop on 1,024 px PNG and DICOM files
+#    (bench/predict.py, ResNet-50 at 224 px, batch 64) and its GPU test (tests/test_predict.py -m gpu).
 # Results: bench/results/gpu_check-<stamp>.json (device, versions, each step's outcome and the
 # throughput figures) plus the logs next to it. Exit status 0 only if every step passed.
 #
@@ -49,7 +51,7 @@ say "horovod build: ${status[horovod_build]} (log $RES/install-$stamp.log)"
 
 if [[ " $STEPS " == *" tests "* ]]; then
   say "GPU tests"
-  "$PY" -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --junitxml "$RES/gpu_tests-$stamp.xml" \
+  "$PY" -m pytest -m gpu tests/test_gpu.py tests/test_predict.py -v -p no:cacheprovider --junitxml "$RES/gpu_tests-$stamp.xml" \
     >"$RES/gpu_tests-$stamp.log" 2>&1 && status[tests]=passed || status[tests]=failed
   say "GPU tests: ${status[tests]} ($(tail -1 "$RES/gpu_tests-$stamp.log"))"
 fi
@@ -97,6 +99,14 @@ if [[ " $STEPS " == *" bench "* ]]; then
     status[bench_optimizer]=failed
   fi
   say "optimizer step: ${status[bench_optimizer]} (log $RES/optimizer_step-$stamp.log)"
+  say "predict vs a plain loop (1,024 px PNG and DICOM, resnet50 at 224 px, batch 64) on CUDA"
+  if "$PY" bench/predict.py --device cuda --arch resnet50 --n 256 --batch 64 --workers "$WORKERS" \
+       --json "$RES/predict-$stamp.json" >"$RES/predict-$stamp.log" 2>&1; then
+    status[bench_predict]=done
+  else
+    status[bench_predict]=failed
+  fi
+  say "predict: ${status[bench_predict]} ($(tail -1 "$RES/predict-$stamp.log"))"
 fi
 
 summary="$RES/gpu_check-$stamp.json"
@@ -113,9 +123,11 @@ steps = dict(line.split("=", 1) for line in os.environ["STATUSES"].splitlines() 
 bench = [json.load(open(p)) for p in sorted(glob.glob(f"{os.environ['RES']}/throughput-*-{os.environ['STAMP']}.json"))]
 opt_path = f"{os.environ['RES']}/optimizer_step-{os.environ['STAMP']}.json"
 optimizer = json.load(open(opt_path)) if os.path.exists(opt_path) else None
+predict_path = f"{os.environ['RES']}/predict-{os.environ['STAMP']}.json"
+predict = json.load(open(predict_path)) if os.path.exists(predict_path) else None
 out = {"stamp": os.environ["STAMP"], "device": torch.cuda.get_device_name(), "torch": torch.__version__,
        "cuda": torch.version.cuda, "horovod": hvd, "cpu_cores": len(os.sched_getaffinity(0)), "steps": steps,
-       "throughput": bench, "optimizer_step": optimizer}
+       "throughput": bench, "optimizer_step": optimizer, "predict": predict}
 tmp = sys.argv[1] + ".tmp"
 with open(tmp, "w") as fh:
     json.dump(out, fh, indent=1)

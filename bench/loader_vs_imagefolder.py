@@ -84,7 +84,7 @@ def write_inputs(work: Path, n: int, size: int, per_archive: int, seed: int) -> 
 
 
 def write_shards(raw: Path, out: Path, size: int, samples_per_shard: int, n_archives: int) -> Path:
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     from chexflow.data import shards
     cfg = ShardConfig(dataset="nih_demo", image_size=size, samples_per_shard=samples_per_shard,
                       encoding="raw", val_fraction=0.0, max_reject_fraction=0.0)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from chexflow.config import OptimConfig
+from chexflow.train.config import OptimConfig
 from chexflow.train.models import build_model, param_groups
 from chexflow.train.schedule import build_optimizer
 

@@ -102,13 +102,13 @@ def plain_pil_archive(archive: Path, size: int) -> tuple[int, float, float]:
 
 def shard_job(raw: Path, splits: Path, out: Path, size: int) -> tuple[int, float, float]:
     """(images, wall s, CPU s) of one shard job (``shards.write_part``)."""
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     from chexflow.data import shards
     cfg = ShardConfig(dataset="nih_demo", image_size=size, samples_per_shard=2000, encoding="raw",
                       val_fraction=0.0, max_reject_fraction=0.0)
     shutil.rmtree(out, ignore_errors=True)
     t0, c0 = time.perf_counter(), time.process_time()
-    m = shards.write_part("nih_demo", "images_001", raw, splits, out, cfg)
+    m = shards.write_part("nih_demo", "images_001", raw, splits, out, cfg, n_archives=1)
     return sum(s["count"] for s in m["shards"]), time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed passes of each (median)")
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory, removed")
     args = ap.parse_args(argv)
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     from chexflow.data import nih, shards
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="chexflow-bench-shards-"))

@@ -35,7 +35,8 @@ import webdataset as wds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from chexflow import config as C  # noqa: E402
+from chexflow.settings import from_dict  # noqa: E402
+from chexflow.train.config import TrainConfig  # noqa: E402
 from chexflow.data import loader as data  # noqa: E402
 from chexflow.fsutil import write_text_atomic  # noqa: E402
 from chexflow.train import models  # noqa: E402
@@ -76,7 +77,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bare_loop(cfg: C.TrainConfig, device: torch.device, steps: int, warmup: int) -> float:
+def bare_loop(cfg: TrainConfig, device: torch.device, steps: int, warmup: int) -> float:
     model = models.build_model(cfg.model.arch, in_channels=1, num_outputs=N_LABELS).to(device)
     bf16 = device.type == "cuda"
     if bf16:
@@ -101,7 +102,7 @@ def bare_loop(cfg: C.TrainConfig, device: torch.device, steps: int, warmup: int)
     return steps * cfg.batch_size / (time.perf_counter() - t0)
 
 
-def full_path(cfg: C.TrainConfig, manifest: Path, work: Path) -> float:
+def full_path(cfg: TrainConfig, manifest: Path, work: Path) -> float:
     backend = backend_for(cfg)
     try:
         code = Trainer(cfg, TrainPaths(manifest=manifest, out_dir=work / "out", ckpt_dir=work / "ckpt"),
@@ -114,7 +115,7 @@ def full_path(cfg: C.TrainConfig, manifest: Path, work: Path) -> float:
     return rows[-1]["images_per_sec"]
 
 
-def loader_alone(cfg: C.TrainConfig, manifest: Path, device: torch.device, batches: int) -> float:
+def loader_alone(cfg: TrainConfig, manifest: Path, device: torch.device, batches: int) -> float:
     stream = data.ShardStream(data.split_shards(manifest, "train"), rank=0, world=1, seed=0,
                               batch_size=cfg.batch_size, shuffle=True, shuffle_buffer=cfg.data.shuffle_buffer)
     loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if gpu else "cpu")
-    cfg = C.from_dict(C.TrainConfig, {
+    cfg = from_dict(TrainConfig, {
         "stage": "pretrain", "dataset": "bench", "backend": args.backend, "epochs": 2, "batch_size": args.batch,
         "compile": args.compile, "checkpoint": {"every_steps": 0, "keep": 1},
         "model": {"arch": args.arch, "in_channels": 1},

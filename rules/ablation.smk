@@ -1,7 +1,9 @@
 # Ablation (config `ablation:`, in `rule all` only when ablation.enabled): fine-tuning from the
 # other initialisation than finetune.init (chexflow.studies.ablation: random init when the main
 # run starts from the pretraining model), with the same budget (the finetune section unchanged
-# otherwise), evaluated on test like the main run. The report compares the mean AUROC of both.
+# otherwise), evaluated on test like the main run (without heatmaps: the report shows the main
+# model's). The report compares the mean AUROC of both. With ablation.seeds, every arm also runs
+# with each other seed (finetune_seed, evaluate_seed under results/ablation/seed<seed>/<init>/).
 
 
 use rule finetune_model as finetune_ablation with:
@@ -21,8 +23,8 @@ use rule finetune_model as finetune_ablation with:
 
 use rule evaluate_model as evaluate_ablation with:
     input:
+        unpack(ablation_inputs),
         model=rules.finetune_ablation.output.model,
-        manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/ablation/evaluate/metrics.json",
         predictions="results/ablation/evaluate/predictions.csv",
@@ -31,3 +33,44 @@ use rule evaluate_model as evaluate_ablation with:
         "logs/ablation/evaluate.log",
     benchmark:
         "benchmarks/ablation/evaluate.tsv"
+    params:
+        train=train_config_json("finetune", init=ABLATION_INIT),
+        extra="--no-heatmaps",
+
+
+use rule finetune_model as finetune_seed with:
+    input:
+        unpack(seed_inputs),
+    output:
+        model="results/ablation/seed{seed}/{init}/finetune/model.pt",
+        metrics="results/ablation/seed{seed}/{init}/finetune/metrics.jsonl",
+    log:
+        "logs/ablation/seed{seed}/{init}/train.log",
+    benchmark:
+        "benchmarks/ablation/seed{seed}/{init}/train.tsv"
+    wildcard_constraints:
+        seed="[0-9]+",
+        init="random|pretrained",
+    params:
+        cfg=seed_config_json,
+        tensorboard="logs/ablation/seed{seed}/{init}/tensorboard",
+
+
+use rule evaluate_model as evaluate_seed with:
+    input:
+        unpack(seed_inputs),
+        model=rules.finetune_seed.output.model,
+    output:
+        metrics="results/ablation/seed{seed}/{init}/evaluate/metrics.json",
+        predictions="results/ablation/seed{seed}/{init}/evaluate/predictions.csv",
+        auroc="results/ablation/seed{seed}/{init}/evaluate/auroc.csv",
+    log:
+        "logs/ablation/seed{seed}/{init}/evaluate.log",
+    benchmark:
+        "benchmarks/ablation/seed{seed}/{init}/evaluate.tsv"
+    wildcard_constraints:
+        seed="[0-9]+",
+        init="random|pretrained",
+    params:
+        train=seed_config_json,
+        extra="--no-heatmaps",

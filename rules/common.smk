@@ -1,20 +1,23 @@
 # Path helpers and wildcard lists for the rules (no logic beyond naming things).
 import json
 import os
+import shlex
 import sys
 
 from snakemake.exceptions import WorkflowError
 
-from chexflow.config import CheckpointConfig, DemoReleaseConfig, ShardConfig, from_dict
+from chexflow.config import resolved_config, stage_settings
 from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
 from chexflow.studies import ablation as _ablation
+from chexflow.studies import sweep as _sweep
+from chexflow.train import config as _train
 from chexflow.train import lease as _lease  # standard library only
 
 # `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
 shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.executable)}"; ')
 
-PRETRAIN_DATASET = config["study"]["pretrain_dataset"]
-FINETUNE_DATASET = config["study"]["finetune_dataset"]
+PRETRAIN_DATASET = STUDY.pretrain_dataset  # STUDY: config.yaml checked by chexflow.config (Snakefile)
+FINETUNE_DATASET = STUDY.finetune_dataset
 # The generated phantom releases (dataset -> its config section; the adapters say): the demo's
 # fine-tuning data and its pretraining corpus (disjoint patient pools: the adapters' patient_pool).
 DEMO_RELEASES = {name: d.release_config for name, d in _registry.DATASETS.items() if d.generated}
@@ -34,9 +37,7 @@ def demo_dir(dataset):
 
 def n_demo_archives(dataset):
     """The archive count of a generated release (None for the other datasets)."""
-    if dataset not in DEMO_RELEASES:
-        return None
-    return from_dict(DemoReleaseConfig, config.get(DEMO_RELEASES[dataset], {})).n_archives
+    return STUDY.releases[dataset].n_archives if dataset in DEMO_RELEASES else None
 
 
 def demo_release_json(wildcards):
@@ -61,8 +62,9 @@ def download_inputs(wildcards):
     return [f"{demo_dir(wildcards.dataset)}/SHA256SUMS"] if wildcards.dataset in DEMO_RELEASES else []
 
 
-def download_args(wildcards):
-    """The generated demo release has as many archives as demo_release says; real sources are fixed."""
+def source_args(wildcards):
+    """The generated demo release has as many archives as demo_release says; real sources are fixed.
+    The download and shard jobs get it from the configuration, never from what is on disk."""
     return f"--n-archives {n_demo_archives(wildcards.dataset)}" if wildcards.dataset in DEMO_RELEASES else ""
 
 
@@ -101,8 +103,7 @@ def part_inputs(wildcards):
 
 
 def part_manifests(wildcards):
-    cfg = from_dict(ShardConfig, gather_settings(wildcards.dataset))
-    parts = _registry.get(wildcards.dataset).parts(cfg, n_demo_archives(wildcards.dataset))
+    parts = _registry.get(wildcards.dataset).parts(STUDY.shards[wildcards.dataset], n_demo_archives(wildcards.dataset))
     return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
 
 
@@ -111,8 +112,12 @@ def manifest(dataset):
 
 
 def train_config_json(stage, **overrides):
-    dataset = PRETRAIN_DATASET if stage == "pretrain" else FINETUNE_DATASET
-    return json.dumps({**config[stage], "stage": stage, "dataset": dataset, **overrides})
+    """The stage's settings (its section over the shared `training:` one) for `chexflow train`."""
+    return json.dumps(stage_settings(config, stage, STUDY.dataset(stage), **overrides))
+
+
+def train_backend(stage):
+    return STUDY.train[stage].backend
 
 
 def output_dir(wildcards, output):
@@ -126,7 +131,7 @@ def stage_json(section):
 
 # ------------------------------------------------------------------ optional studies (config)
 def study_enabled(section):
-    return bool(config.get(section, {}).get("enabled", False))
+    return getattr(STUDY, section).enabled
 
 
 def study_json(section):
@@ -134,12 +139,8 @@ def study_json(section):
     return json.dumps(config.get(section, {}))
 
 
-def scaling_world_sizes():
-    return [int(w) for w in config.get("scaling", {}).get("world_sizes", [1, 2])]
-
-
 def scaling_points():
-    return [f"results/scaling/world{w}/throughput.json" for w in scaling_world_sizes()]
+    return [f"results/scaling/world{w}/throughput.json" for w in STUDY.scaling.world_sizes]
 
 
 def scaling_tasks(wildcards):
@@ -154,20 +155,52 @@ def study_targets():
         targets.append("results/scaling/scaling.csv")
     if study_enabled("sweep"):
         targets.append("results/sweep/evaluate/metrics.json")
-    if study_enabled("ablation"):
-        targets.append("results/ablation/evaluate/metrics.json")
+    targets += [f"{r.eval_dir}/metrics.json" for r in ablation_runs() if not r.is_main]
+    if study_enabled("predict"):
+        targets.append(predict_outputs()["predictions"])
+    if study_enabled("export"):
+        targets.append(export_outputs()["summary"])
     return targets
 
 
-def _sweep_trials():
-    from chexflow.config import SweepConfig, from_dict
-    from chexflow.studies import sweep as _sweep
+# ------------------------------------------------------------------ using the model (rules/predict.smk)
+def predict_inputs():
+    """The folders, files and .txt lists predict.inputs names (Snakemake checks they exist)."""
+    return list(STUDY.predict.inputs)
 
-    return _sweep.expand_trials(from_dict(SweepConfig, config.get("sweep", {})))
+
+def predict_outputs():
+    """predict_images' outputs: the CSV, and the heatmaps' folder with predict.heatmaps."""
+    out = {"predictions": "results/predict/predictions.csv"}
+    if STUDY.predict.heatmaps:
+        out["heatmaps"] = directory("results/predict/heatmaps")
+    return out
+
+
+def heatmap_dir_arg(wildcards, output):
+    """Params function: `--heatmap-dir DIR` when the job declares the heatmaps' folder."""
+    return f"--heatmap-dir {output.heatmaps}" if "heatmaps" in output.keys() else ""
+
+
+def export_outputs():
+    """export_model's outputs: one file per format of export.formats, and the checks' summary."""
+    from chexflow.predict import EXPORT_FILES, EXPORT_SUMMARY
+
+    files = {f: f"results/export/{EXPORT_FILES[f]}" for f in STUDY.export.formats}
+    return {**files, "summary": f"results/export/{EXPORT_SUMMARY}"}
+
+
+def _sweep_trials():
+    return _sweep.expand_trials(STUDY.sweep)
 
 
 def sweep_results():
     return [f"results/sweep/trials/{t['id']}/result.json" for t in _sweep_trials()]
+
+
+def sweep_trials_arg():
+    """`chexflow evaluate --trials-json`: every trial's overrides (the sweep winner is one of them)."""
+    return f"--trials-json {shlex.quote(json.dumps([t['params'] for t in _sweep_trials()]))}"
 
 
 def sweep_trial_json(wildcards):
@@ -176,8 +209,8 @@ def sweep_trial_json(wildcards):
 
 
 # ------------------------------------------------------------------ fine-tuning initialisation
-FINETUNE_INIT = _ablation.main_init(config)  # finetune.init of the main run (and the sweep's trials)
-ABLATION_INIT = _ablation.other_init(config)  # the ablation's: the other one
+FINETUNE_INIT = _train.main_init(config)  # finetune.init of the main run (and the sweep's trials)
+ABLATION_INIT = _train.other_init(config)  # the ablation's: the other one
 
 
 def pretrained_input(init):
@@ -186,13 +219,14 @@ def pretrained_input(init):
 
 
 def finetune_inputs(wildcards):
-    """Input function of finetune_model and sweep_trial: the data and, only with
-    finetune.init: pretrained, the pretraining model (with init random they do not wait for it)."""
+    """Input function of finetune_model, sweep_trial and their evaluations: the data and, only with
+    finetune.init: pretrained, the pretraining model (with init random they do not wait for it; the
+    evaluation needs it to compute the run id the model must carry)."""
     return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(FINETUNE_INIT)}
 
 
 def ablation_inputs(wildcards):
-    """Input function of finetune_ablation: like finetune_inputs, for the other init."""
+    """Input function of finetune_ablation and evaluate_ablation: like finetune_inputs, for the other init."""
     return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(ABLATION_INIT)}
 
 
@@ -201,40 +235,104 @@ def pretrained_arg(wildcards, input):
     return f"--pretrained {input.pretrained}" if "pretrained" in input.keys() else ""
 
 
-STUDY_REPORT_INPUTS = {
-    "scaling": {"scaling_csv": "results/scaling/scaling.csv", "scaling_plot": "results/scaling/scaling.png"},
-    "sweep": {
-        "sweep_table": "results/sweep/trials.csv",
-        "sweep_selection": "results/sweep/selection.json",
-        "sweep_metrics": "results/sweep/evaluate/metrics.json",
-    },
-    "ablation": {
-        "ablation_metrics": "results/ablation/evaluate/metrics.json",
-        "ablation_predictions": "results/ablation/evaluate/predictions.csv",
-    },
-}
+def seed_inputs(wildcards):
+    """Input function of finetune_seed and evaluate_seed: the data and, for the pretrained arm, the
+    pretraining model."""
+    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(wildcards.init)}
 
 
-def report_study_inputs(wildcards):
-    """Named inputs of the report's study sections, only for the studies switched on."""
-    return {k: v for study, files in STUDY_REPORT_INPUTS.items() if study_enabled(study) for k, v in files.items()}
+def seed_config_json(wildcards):
+    """The finetune section of one ablation run: its arm's init and its training seed."""
+    return train_config_json("finetune", init=wildcards.init, seed=int(wildcards.seed))
 
 
-def report_manifest_args():
-    """`chexflow report`'s --manifest NAME=PATH options for the pretraining and fine-tuning data."""
-    return " ".join(f"--manifest {d}={manifest(d)}" for d in (PRETRAIN_DATASET, FINETUNE_DATASET))
+def ablation_runs():
+    """The ablation's (arm, seed) runs when it is switched on (chexflow.studies.ablation.runs)."""
+    return _ablation.study_runs(STUDY)
 
 
-def report_benchmark_args():
-    """`chexflow report`'s --benchmark STAGE=TSV options: the main chain's training and evaluation."""
-    jobs = {"pretrain": rules.pretrain_model, "finetune": rules.finetune_model, "evaluate": rules.evaluate_model}
-    return " ".join(f"--benchmark {stage}={job.benchmark}" for stage, job in jobs.items())
+# ------------------------------------------------------------------ evaluation
+def evaluation_inputs(wildcards):
+    """Named inputs of evaluate_model besides the model: finetune_inputs (the shards' manifest, the
+    pretraining model the run id depends on) and the release's label table (subgroups) and box list
+    (localisation) where the dataset has them."""
+    ds = FINETUNE_DATASET
+    source = STUDY.sources.get(ds)
+    files = _registry.get(ds).evaluation_files(source_of(ds), boxes=source.boxes if source else True)
+    return {**finetune_inputs(wildcards), **{k: f"data/raw/{ds}/{f.name}" for k, f in files.items()}}
 
 
-def report_study_args():
-    """The matching `chexflow report` options (--scaling-csv PATH ...)."""
-    inputs = report_study_inputs(None)
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in inputs.items())
+def box_frame(dataset):
+    """The side (px) of the images the box list refers to: a generated release's own image size."""
+    if dataset in DEMO_RELEASES:
+        return STUDY.releases[dataset].image_size
+    return _registry.get(dataset).box_frame()
+
+
+def evaluation_args(wildcards, input):
+    """Params function: `--label-table`, `--boxes`/`--box-frame` for the inputs evaluate_model has."""
+    args = [f"--label-table {input.label_table}"] if "label_table" in input.keys() else []
+    if "boxes" in input.keys():
+        args.append(f"--boxes {input.boxes} --box-frame {box_frame(FINETUNE_DATASET)}")
+    return " ".join(args)
+
+
+# ------------------------------------------------------------------ the report's inputs: one structure
+def report_input_tree():
+    """Everything the report reads, as one structure of paths (`chexflow report --inputs-json`): the
+    rule's named inputs are its leaves (report_inputs). A new report input is added here only; the
+    renderer shows a section for what is there."""
+    main = {"pretrain": rules.pretrain_model, "finetune": rules.finetune_model, "evaluate": rules.evaluate_model}
+    tree = {
+        "evaluation": {k: rules.evaluate_model.output[k] for k in ("metrics", "predictions", "saliency")},
+        "training": {"pretrain": rules.pretrain_model.output.metrics, "finetune": rules.finetune_model.output.metrics},
+        "manifests": {"pretrain": manifest(PRETRAIN_DATASET), "finetune": manifest(FINETUNE_DATASET)},
+        "benchmarks": {stage: job.benchmark for stage, job in main.items()},
+    }
+    runs = [r for r in ablation_runs() if not r.is_main]
+    for r in runs:  # the ablation's jobs count in the stage times too
+        tree["benchmarks"][
+            f"finetune_{r.init}_seed{r.seed}"
+        ] = f"benchmarks/{r.root.removeprefix('results/')}/train.tsv"
+        tree["benchmarks"][
+            f"evaluate_{r.init}_seed{r.seed}"
+        ] = f"benchmarks/{r.root.removeprefix('results/')}/evaluate.tsv"
+    if runs:
+        tree["ablation"] = {
+            f"{r.init}_seed{r.seed}": {
+                "metrics": f"{r.eval_dir}/metrics.json",
+                "predictions": f"{r.eval_dir}/predictions.csv",
+                "training": f"{r.train_dir}/metrics.jsonl",
+            }
+            for r in ablation_runs()
+        }
+    if study_enabled("scaling"):
+        tree["scaling"] = {"table": "results/scaling/scaling.csv", "plot": "results/scaling/scaling.png"}
+    if study_enabled("sweep"):
+        tree["sweep"] = {
+            "table": "results/sweep/trials.csv",
+            "selection": "results/sweep/selection.json",
+            "metrics": "results/sweep/evaluate/metrics.json",
+        }
+    return tree
+
+
+def _leaves(tree, prefix=""):
+    for key, value in tree.items():
+        name = f"{prefix}__{key}" if prefix else key
+        if isinstance(value, dict):
+            yield from _leaves(value, name)
+        else:
+            yield name, str(value)
+
+
+def report_inputs(wildcards):
+    """Named inputs of render_report: the leaves of report_input_tree."""
+    return dict(_leaves(report_input_tree()))
+
+
+def report_inputs_json(wildcards):
+    return json.dumps(report_input_tree())
 
 
 # ------------------------------------------------------------------ before anything is submitted
@@ -242,10 +340,7 @@ def refuse_orphaned_training():
     """`onstart`: a training job or process that outlived an earlier Snakemake of this directory (killed,
     then `--unlock`) still holds its checkpoint directory; submitting the stage again would put a
     second trainer into it. Stop before any job is submitted, naming it and what to do."""
-    stale_s = max(
-        from_dict(CheckpointConfig, config[stage].get("checkpoint") or {}).lease_stale_s
-        for stage in ("pretrain", "finetune")
-    )
+    stale_s = max(STUDY.train[stage].checkpoint.lease_stale_s for stage in ("pretrain", "finetune"))
     found = _lease.live_holders("results", stale_s=stale_s)
     if found:
         raise WorkflowError(_lease.orphan_message(found))

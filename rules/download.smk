@@ -36,7 +36,7 @@ rule download_file:
         downloads=1,
     params:
         mirror=download_mirror,
-        source_args=download_args,
+        source_args=source_args,
         dest=output_dir,
     shell:
         "chexflow download --dataset {wildcards.dataset} --file {wildcards.file:q}"

@@ -1,16 +1,24 @@
-# Evaluation: the selected model on the test split, AUROC per finding with bootstrap CIs.
-# evaluate_model is the body the studies' evaluations (evaluate_ablation, evaluate_sweep_winner)
-# share through `use rule ... with:`.
+# Evaluation: the selected model on the test split: AUROC per finding with bootstrap CIs, PR,
+# calibration and operating points, AUROC by subgroup (the release's label table), Grad-CAM
+# heatmaps scored against the release's box list (evaluation_inputs). evaluate_model is the body
+# the studies' evaluations (evaluate_ablation, evaluate_seed, evaluate_sweep_winner) share through
+# `use rule ... with:`. Evaluation refuses a model whose run id is not the one of the training
+# settings it is handed (--train-config-json, and the pretraining model for init: pretrained, hence
+# the same inputs as the training job): a stale model is never scored.
 
 
 rule evaluate_model:
     input:
+        unpack(evaluation_inputs),
         model=rules.finetune_model.output.model,
-        manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/evaluate/metrics.json",
         predictions="results/evaluate/predictions.csv",
         auroc=report("results/evaluate/auroc.csv", caption="../report/auroc.rst", category="Evaluation"),
+        calibration="results/evaluate/calibration.csv",
+        subgroups="results/evaluate/subgroups.csv",
+        localisation="results/evaluate/localisation.csv",
+        saliency="results/evaluate/saliency.npz",
     log:
         "logs/evaluate/evaluate.log",
     benchmark:
@@ -19,7 +27,12 @@ rule evaluate_model:
         "../envs/train.yaml"
     params:
         cfg=stage_json("evaluate"),
+        train=train_config_json("finetune"),
+        pretrained=pretrained_arg,
+        trials="",
         out_dir=output_dir,
+        extra=evaluation_args,
     shell:
         "chexflow evaluate --config-json {params.cfg:q} --model {input.model}"
-        " --manifest {input.manifest} --out-dir {params.out_dir} > {log} 2>&1"
+        " --manifest {input.manifest} --train-config-json {params.train:q} {params.pretrained}"
+        " {params.trials} --out-dir {params.out_dir} {params.extra} > {log} 2>&1"

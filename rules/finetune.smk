@@ -15,5 +15,5 @@ use rule pretrain_model as finetune_model with:
         "benchmarks/finetune/train.tsv"
     params:
         cfg=train_config_json("finetune"),
-        backend=config["finetune"]["backend"],
+        backend=train_backend("finetune"),
         tensorboard="logs/finetune/tensorboard",

@@ -2,9 +2,10 @@
 # via horovodrun/torchrun) on a workstation, `srun --mpi=pmix ...` under SLURM (profile).
 # Checkpoints go to <output dir>/checkpoints/, which is NOT a declared output, so a rerun after a
 # failure or preemption resumes from them. Snakemake deletes the log before every attempt (a retry,
-# a requeued job's restart): `chexflow keep-log` keeps each attempt's as train.<n>.log too. pretrain_model is the body that finetune_model and
-# finetune_ablation share through `use rule ... with:` (sweep_trial and scale_pretrain run other
-# commands, which `use rule` cannot change, with the same helpers).
+# a requeued job's restart): `chexflow keep-log` keeps each attempt's as train.<n>.log too.
+# pretrain_model is the body that finetune_model and finetune_ablation share through `use rule ...
+# with:` (sweep_trial and scale_pretrain run other commands, which `use rule` cannot change, with the
+# same helpers).
 
 
 rule pretrain_model:
@@ -29,7 +30,7 @@ rule pretrain_model:
         mpi="chexflow launch",
     params:
         cfg=train_config_json("pretrain"),
-        backend=config["pretrain"]["backend"],
+        backend=train_backend("pretrain"),
         pretrained=pretrained_arg,
         out_dir=output_dir,
         tensorboard="logs/pretrain/tensorboard",

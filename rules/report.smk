@@ -1,20 +1,16 @@
-# Report: one self-contained HTML file (plots inline), with sections for the studies switched on
-# in config.yaml (scaling, sweep, ablation: their outputs become inputs via report_study_inputs).
-# `snakemake --report report.html` (or .zip) also collects the files marked with report() below
-# and in the study rules, with the captions in report/.
+# Report: one self-contained HTML file (plots inline), with sections for what its inputs hold (the
+# studies switched on in config.yaml), and the model card next to the model. The rule hands the
+# report its inputs as one structure (report_input_tree in common.smk; its leaves are the named
+# inputs). `snakemake --report report.html` (or .zip) also collects the files marked with report()
+# below and in the study rules, with the captions in report/.
 
 
 rule render_report:
     input:
-        unpack(report_study_inputs),
-        metrics=rules.evaluate_model.output.metrics,
-        predictions=rules.evaluate_model.output.predictions,
-        pretrain=rules.pretrain_model.output.metrics,
-        finetune=rules.finetune_model.output.metrics,
-        pretrain_manifest=manifest(PRETRAIN_DATASET),
-        finetune_manifest=manifest(FINETUNE_DATASET),
+        unpack(report_inputs),
     output:
-        report("results/report/chexflow_report.html", caption="../report/chexflow_report.rst", category="Report"),
+        html=report("results/report/chexflow_report.html", caption="../report/chexflow_report.rst", category="Report"),
+        card="results/finetune/model_card.md",
     log:
         "logs/report/report.log",
     benchmark:
@@ -22,13 +18,9 @@ rule render_report:
     conda:
         "../envs/report.yaml"
     params:
-        cfg=json.dumps(config),
-        manifests=report_manifest_args(),
-        benchmarks=report_benchmark_args(),
+        inputs=report_inputs_json,
+        cfg=json.dumps(resolved_config(config)),
         repo=workflow.basedir,
-        studies=report_study_args(),
     shell:
-        "chexflow report --out {output} --metrics {input.metrics} --predictions {input.predictions}"
-        " --pretrain-metrics {input.pretrain} --finetune-metrics {input.finetune}"
-        " {params.manifests} {params.benchmarks} --study-config-json {params.cfg:q}"
-        " --repo {params.repo:q} {params.studies} > {log} 2>&1"
+        "chexflow report --out {output.html} --model-card {output.card} --inputs-json {params.inputs:q}"
+        " --study-config-json {params.cfg:q} --repo {params.repo:q} > {log} 2>&1"

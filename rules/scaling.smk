@@ -37,7 +37,7 @@ rule scale_pretrain:
     params:
         cfg=train_config_json("pretrain"),
         scaling=study_json("scaling"),
-        backend=config["pretrain"]["backend"],
+        backend=train_backend("pretrain"),
         out_dir=output_dir,
     shell:
         "CHEXFLOW_BACKEND={params.backend} {resources.mpi} -n {resources.tasks}"

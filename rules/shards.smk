@@ -33,10 +33,11 @@ rule write_shards:
     params:
         cfg=shard_config_json,
         out_dir=output_dir,
+        source_args=source_args,
     shell:
         "chexflow shards --config-json {params.cfg:q} --part {wildcards.part}"
         " --raw data/raw/{wildcards.dataset} --splits {input.splits}"
-        " --out {params.out_dir} > {log} 2>&1"
+        " --out {params.out_dir} {params.source_args} > {log} 2>&1"
 
 
 rule gather_shards:

@@ -47,16 +47,17 @@ rule select_sweep:
     benchmark:
         "benchmarks/sweep/select.tsv"
     conda:
-        "../envs/report.yaml"
+        "../envs/train.yaml"  # torch: the winner's model file is checked before it is copied
     shell:
         "chexflow sweep-select --out-csv {output.table} --out-json {output.summary}"
         " --out-model {output.model} {input} > {log} 2>&1"
 
 
+# the winner's model must carry the run id of one of the trials (select_sweep checked it is the winner's)
 use rule evaluate_model as evaluate_sweep_winner with:
     input:
+        unpack(finetune_inputs),
         model=rules.select_sweep.output.model,
-        manifest=manifest(FINETUNE_DATASET),
     output:
         metrics="results/sweep/evaluate/metrics.json",
         predictions="results/sweep/evaluate/predictions.csv",
@@ -65,3 +66,6 @@ use rule evaluate_model as evaluate_sweep_winner with:
         "logs/sweep/evaluate.log",
     benchmark:
         "benchmarks/sweep/evaluate.tsv"
+    params:
+        trials=sweep_trials_arg(),
+        extra="--no-heatmaps",

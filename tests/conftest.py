@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chexflow.config import ShardConfig  # noqa: E402
+from chexflow.data.config import ShardConfig  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -60,19 +60,20 @@ def job_counts(stdout: str) -> dict[str, int]:
 
 
 def build_demo_dataset(root: Path, *, n_images: int = 240, image_size: int = 32, per_archive: int = 80,
-                       samples_per_shard: int = 20) -> Path:
-    """The demo chain at toy scale through the package's own functions; returns the manifest path."""
-    from chexflow.data import download, shards, sources
+                       samples_per_shard: int = 20, stored_size: int | None = None) -> Path:
+    """The demo chain at toy scale through the package's own functions; returns the manifest path.
+    ``stored_size``: the shards' side (default ``image_size``, the release's PNG side)."""
+    from chexflow.data import download, registry, shards, sources
     from chexflow.data.phantoms.release import make_release
     release = root / "release"
     make_release(release, n_images=n_images, image_size=image_size, images_per_archive=per_archive,
                  test_fraction=0.25, seed=7)
     n_archives = -(-n_images // per_archive)
-    src = sources.get_source("nih_demo", n_archives=n_archives)
+    src = registry.get_source("nih_demo", n_archives=n_archives)
     raw = root / "raw"
     for name in sources.file_names(src):
         download.fetch_source_file(src, name, raw, str(release), progress=False)
-    cfg = ShardConfig(dataset="nih_demo", image_size=image_size, samples_per_shard=samples_per_shard,
+    cfg = ShardConfig(dataset="nih_demo", image_size=stored_size or image_size, samples_per_shard=samples_per_shard,
                       val_fraction=0.2, max_reject_fraction=0.0)
     return shards.build_dataset("nih_demo", raw, root / "shards", cfg, n_archives=n_archives)
 
@@ -99,9 +100,9 @@ def demo_manifest(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def fashion_manifest(tmp_path_factory) -> Path:
     """Fashion-MNIST t10k part only (10k real images) as a small pretraining set."""
-    from chexflow.data import download, shards, sources
+    from chexflow.data import download, registry, shards, sources
     root = tmp_path_factory.mktemp("fmnist")
-    src = sources.get_source("fashion_mnist")
+    src = registry.get_source("fashion_mnist")
     raw = root / "raw"
     for name in sources.file_names(src):
         download.fetch_source_file(src, name, raw, "/usr/share/datasets/fashion-mnist", progress=False)

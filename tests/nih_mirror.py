@@ -1,13 +1,14 @@
 """A tiny ChestX-ray14 mirror in the exact release layout, for tests of the real ``nih`` source.
 
 12 ``images_NNN.tar.gz`` archives of ``images/<name>.png`` members, ``Data_Entry_2017_v2020.csv``
-(real rows of the NIH label file, all its columns) and both split lists; the images are phantoms
+(real rows of the NIH label file, all its columns), both split lists and ``BBox_List_2017.csv`` (a
+small one: where the phantoms' findings were drawn, in the release's 1,024 px frame); the images are phantoms
 rendered at 32 px, a few of them re-encoded at the release's 1,024 px and a few as RGBA PNGs
 (as some NIH images are). The packaging is the phantom release's (``phantoms.release.write_archive`` /
 ``write_tables``), so the layout is the same code path the demo uses.
 
 Pinned archive checksums and the published table sizes cannot match such a mirror: ``registry``
-is the test-only override (``chexflow.data.sources.load_test_registry``) that tests hand to the
+is the test-only override (``chexflow.data.registry.load_test_registry``) that tests hand to the
 stages through ``$CHEXFLOW_TEST_REGISTRY``.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from chexflow.data.nih import NIH_N_ARCHIVES, NIH_TABLES, archive_name
 from chexflow.data.phantoms.release import make_release, write_archive
 
 BIG = 1024          # the release's image side
+SIDE = 32           # the generated phantoms' side
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def _sha256(path: Path) -> str:
 
 def generate(root: Path, *, per_archive: int = 30, seed: int = 11) -> Path:
     """The phantom release (12 archives of ``per_archive`` 32 px images) a mirror is packed from."""
-    info = make_release(root, n_images=per_archive * NIH_N_ARCHIVES, image_size=32,
+    info = make_release(root, n_images=per_archive * NIH_N_ARCHIVES, image_size=SIDE,
                         images_per_archive=per_archive, test_fraction=0.25, seed=seed)
     assert len(info.archives) == NIH_N_ARCHIVES
     return root
@@ -96,8 +98,13 @@ def make_nih_mirror(root: Path, generated: Path, *, n_big: int = 3, n_rgba: int 
         archives[name] = [img for img, _ in out]
     for table in NIH_TABLES:
         shutil.copyfile(generated / table, root / table)
+    # the release's boxes are in pixels of its 1,024 px images: the phantoms' regions scaled up
+    boxes = nih.read_box_list(generated / nih.BOX_LIST_NAME, frame=SIDE)
+    scale = nih.PNG_SIDE / SIDE
+    nih.write_box_list(root / nih.BOX_LIST_NAME, [(r.image, r.label, r.x * scale, r.y * scale, r.w * scale, r.h * scale)
+                                                  for r in boxes.itertuples(index=False)])
     files = {name: {"sha256": _sha256(root / name), "size": (root / name).stat().st_size}
-             for name in [*archives, *NIH_TABLES]}
+             for name in [*archives, *NIH_TABLES, nih.BOX_LIST_NAME]}
     labels = nih.read_labels(root / NIH_TABLES[0])
     content = {"n_images": len(labels), "n_patients": int(labels["patient"].nunique()),
                "n_train_val": len(nih.read_split_list(root / NIH_TABLES[1])),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from chexflow.data import download as D
-from chexflow.data import nih
+from chexflow.data import nih, registry
 from chexflow.data import sources as S
 
 try:
@@ -309,7 +309,7 @@ def test_load_checksums_formats(tmp_path):
 
 def _demo_release(d: Path, n: int) -> dict[str, bytes]:
     files = {nih.archive_name(i): _payload(200_000 + i, seed=i) for i in range(1, n + 1)}
-    files.update({t: f"{t}\n".encode() for t in nih.NIH_TABLES})
+    files.update({t: f"{t}\n".encode() for t in (*nih.NIH_TABLES, nih.BOX_LIST_NAME)})
     for k, v in files.items():
         (d / k).write_bytes(v)
     (d / "SHA256SUMS").write_text("".join(f"{_sha(v)}  {k}\n" for k, v in files.items()))
@@ -318,7 +318,7 @@ def _demo_release(d: Path, n: int) -> dict[str, bytes]:
 
 def test_fetch_source_file_with_checksums_file_over_http(www, tmp_path):
     files = _demo_release(www, 2)
-    src = S.get_source("nih_demo", n_archives=2)
+    src = registry.get_source("nih_demo", n_archives=2)
     out = tmp_path / "raw" / "nih_demo"
     with FileServer(www) as srv:
         results = [D.fetch_source_file(src, name, out, srv.base_url + "/", **FAST) for name in S.file_names(src)]
@@ -335,7 +335,7 @@ def test_fetch_source_file_with_checksums_file_over_http(www, tmp_path):
 
 def test_fetch_source_file_local_mirror_missing_entry(www, tmp_path):
     _demo_release(www, 1)
-    src = S.get_source("nih_demo", n_archives=1)
+    src = registry.get_source("nih_demo", n_archives=1)
     res = D.fetch_source_file(src, "images_001.tar.gz", tmp_path / "o", str(www), **FAST)
     assert res.sha256 == _sha((www / "images_001.tar.gz").read_bytes())
     (www / "SHA256SUMS").write_text("")
@@ -345,7 +345,7 @@ def test_fetch_source_file_local_mirror_missing_entry(www, tmp_path):
 
 # ----------------------------------------------------------------------------- registry
 def test_resolve_url():
-    src = S.get_source("nih_demo", n_archives=1)
+    src = registry.get_source("nih_demo", n_archives=1)
     f = src.file("images_001.tar.gz")
     assert S.resolve_url(src, f, "/data/mirror") == "/data/mirror/images_001.tar.gz"
     assert S.resolve_url(src, f, "http://h:8/base/") == "http://h:8/base/images_001.tar.gz"
@@ -353,18 +353,18 @@ def test_resolve_url():
     assert S.resolve_url(src, f, "file:///data/m") == "file:///data/m/images_001.tar.gz"
     with pytest.raises(S.NoURLError, match="phantom release is generated locally"):
         S.resolve_url(src, f, None)
-    fm = S.get_source("fashion_mnist")
+    fm = registry.get_source("fashion_mnist")
     g = fm.file("t10k-labels-idx1-ubyte.gz")
     assert S.resolve_url(fm, g, None) == \
         "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/t10k-labels-idx1-ubyte.gz"
-    real = S.get_source("nih")
+    real = registry.get_source("nih")
     with pytest.raises(S.NoURLError, match="nihcc.app.box.com/v/ChestXray-NIHCC"):
         S.resolve_url(real, real.file("Data_Entry_2017_v2020.csv"), None)
 
 
 def test_unknown_source_lists_known_ones():
     with pytest.raises(KeyError) as ei:
-        S.get_source("nope")
+        registry.get_source("nope")
     msg = str(ei.value)
     assert "'nope'" in msg
     for known in ("fashion_mnist", "nih", "nih_demo", "imagenet"):
@@ -372,7 +372,7 @@ def test_unknown_source_lists_known_ones():
 
 
 def test_nih_registry():
-    src = S.get_source("nih")
+    src = registry.get_source("nih")
     arch = S.archives(src)
     assert [a.name for a in arch] == [f"images_{i:03d}.tar.gz" for i in range(1, 13)]
     assert all(re.fullmatch(r"[0-9a-f]{32}", a.md5) for a in arch)
@@ -380,20 +380,22 @@ def test_nih_registry():
     assert all(a.url.startswith("https://nihcc.box.com/shared/static/") and a.url.endswith(".gz") for a in arch)
     assert arch[0].md5 == "fe8ed0a6961412fddcbb3603c11b3698" and arch[-1].md5 == "dc9fda1757c2de0032b63347a7d2895c"
     assert {f.name: f.role for f in src.files if f.role != "archive"} == {
-        "Data_Entry_2017_v2020.csv": "labels", "train_val_list.txt": "split_list", "test_list.txt": "split_list"}
+        "Data_Entry_2017_v2020.csv": "labels", "train_val_list.txt": "split_list", "test_list.txt": "split_list",
+        "BBox_List_2017.csv": "boxes"}
+    assert src.file("BBox_List_2017.csv").url is None and src.file("BBox_List_2017.csv").sha256 is None  # recorded
     # the real release always has its 12 archives; a pilot is declared in the config, not by cutting the source
     with pytest.raises(ValueError, match=r"always has its 12 archives.*datasets\.nih\.archives"):
-        S.get_source("nih", n_archives=3)
+        registry.get_source("nih", n_archives=3)
 
 
 def test_nih_demo_and_imagenet_registry():
-    demo = S.get_source("nih_demo", n_archives=4)
+    demo = registry.get_source("nih_demo", n_archives=4)
     assert demo.synthetic and demo.checksums_file == "SHA256SUMS"
     assert [a.name for a in S.archives(demo)] == [f"images_{i:03d}.tar.gz" for i in range(1, 5)]
-    assert S.file_names(demo)[4:] == list(nih.NIH_TABLES)
+    assert S.file_names(demo)[4:] == [*nih.NIH_TABLES, nih.BOX_LIST_NAME]
     with pytest.raises(ValueError, match="n_archives"):
-        S.get_source("nih_demo")
-    inet = S.get_source("imagenet")
+        registry.get_source("nih_demo")
+    inet = registry.get_source("imagenet")
     assert {f.name: f.md5 for f in inet.files} == {
         "ILSVRC2012_img_train.tar": "1d675b47d978889d74fa0da5fadfb00e",
         "ILSVRC2012_img_val.tar": "29b22e2961454d5413ddabcf34fc5622",
@@ -404,7 +406,7 @@ def test_nih_demo_and_imagenet_registry():
 @pytest.mark.skipif(not Path(DEBIAN_FASHION_MNIST_DIR).is_dir(), reason="Debian dataset-fashion-mnist not installed")
 def test_fashion_mnist_pins_match_debian_copies(tmp_path):
     """The Debian copies (gzip header normalised) restore to bytes with the published md5s."""
-    src = S.get_source("fashion_mnist")
+    src = registry.get_source("fashion_mnist")
     published = {"train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
                  "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
                  "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",

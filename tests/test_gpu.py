@@ -25,7 +25,8 @@ import time
 import pytest
 import torch
 
-from chexflow import config as C
+from chexflow.settings import from_dict
+from chexflow.train.config import TrainConfig
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
 from chexflow.train.backends import Backend
@@ -36,10 +37,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _cfg(**over) -> C.TrainConfig:
+def _cfg(**over) -> TrainConfig:
     base = train_cfg("single", epochs=2, channels_last="always", precision="bf16",
                      checkpoint={"every_steps": 3, "keep": 5}, **over)
-    return C.from_dict(C.TrainConfig, base)
+    return from_dict(TrainConfig, base)
 
 
 def _trainer(cfg, manifest, tmp_path) -> T.Trainer:

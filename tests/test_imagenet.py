@@ -12,7 +12,7 @@ import scipy.io as sio
 import yaml
 from PIL import Image
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import imagenet as I
 from chexflow.data import loader as L
 from chexflow.data import shards as S
@@ -177,11 +177,11 @@ def test_train_part_interleaves_its_classes(built):
     """Part train_000 holds two classes; its stream alternates between them, not class after class."""
     root = built[0]
     classes = I.train_part_classes("train_000", 2, tuple(WNIDS))
-    order = [w for w, _, _ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
+    order = [w for w, *_ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
     assert sorted(order) == sorted([w for w in classes for _ in range(4)])
     runs = sum(1 for a, b in zip(order, order[1:]) if a != b)
     assert runs >= 2
-    again = [w for w, _, _ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
+    again = [w for w, *_ in I.iter_train_part(root / "raw" / I.TRAIN_TAR, classes, seed=0, on_skip=pytest.fail)]
     assert order == again
 
 
@@ -209,7 +209,7 @@ def test_unsafe_and_unknown_val_members_rejected(tmp_path):
 
 
 def test_val_fraction_must_be_zero(built, tmp_path):
-    with pytest.raises(S.ShardError, match="val_fraction must be 0"):
+    with pytest.raises(S.ShardError, match=r"shards\.imagenet\.val_fraction: 0\.1 is not 0"):
         S.split_dataset("imagenet", built[0] / "raw", _cfg(val_fraction=0.1), tmp_path / "splits.csv")
 
 
@@ -226,7 +226,7 @@ def test_dry_run_dag_with_imagenet_pretraining(tmp_path):
     assert dry.returncode == 0, dry.stderr[-3000:]
     counts = job_counts(dry.stdout)
     assert counts["write_shards"] == 5 + 1 + 3          # imagenet train_000..train_004 + val, 3 demo archives
-    assert counts["download_file"] == 3 + 6            # the ImageNet release + the demo release files
+    assert counts["download_file"] == 3 + 7            # the ImageNet release + the demo release files (with its box list)
     assert counts["split_dataset"] == counts["gather_shards"] == 2
     assert "data/raw/fashion_mnist" not in dry.stdout and "data/shards/fashion_mnist" not in dry.stdout
     assert "data/shards/imagenet/parts/train_004/manifest.json" in dry.stdout

@@ -197,7 +197,9 @@ def test_operating_point_values_and_undefined_ppv():
     assert op["specificity"] == pytest.approx(2 / 3)
     assert op["ppv"] == pytest.approx(0.5)
     assert op["f1"] == pytest.approx(0.5)
+    assert op["npv"] == pytest.approx(2 / 3)  # tn=2 of the 3 predicted negative
     assert M.operating_point(y, s, 2.0)["ppv"] is None  # nothing predicted positive
+    assert M.operating_point(y, s, -1.0)["npv"] is None  # nothing predicted negative
     with pytest.raises(ValueError, match="both classes"):
         M.youden_threshold(np.zeros(4), np.arange(4.0))
 
@@ -263,3 +265,139 @@ def test_paired_bootstrap_auroc_diff_is_paired_and_matches_point_estimates():
     assert same["diff"] == 0.0 and same["ci"] == [0.0, 0.0]
     with pytest.raises(ValueError, match="shape"):
         M.paired_bootstrap_auroc_diff(y, better[:10], worse, groups, labels)
+
+
+# --------------------------------------------------------------------------- the mean over labels (issue 19 4f)
+def _resampled_aurocs(y, s, groups, n_resamples, seed):
+    """Per-resample, per-label AUROC by scikit-learn on the expanded sample (NaN: one class): the
+    resampling scheme (patients drawn with replacement, multinomial counts from default_rng(seed))
+    computed independently of chexflow's weighted AUROC."""
+    _, pidx = np.unique(groups, return_inverse=True)
+    n_p = pidx.max() + 1
+    counts = np.random.default_rng(seed).multinomial(n_p, np.full(n_p, 1.0 / n_p), size=n_resamples)
+    out = np.full((n_resamples, y.shape[1]), np.nan)
+    for b in range(n_resamples):
+        rep = counts[b, pidx]
+        for j in range(y.shape[1]):
+            known = ~np.isnan(y[:, j])
+            t = np.repeat(y[known, j], rep[known])
+            if np.unique(t).size == 2:
+                out[b, j] = roc_auc_score(t, np.repeat(s[known, j], rep[known]))
+    return out
+
+
+def test_bootstrap_mean_uses_only_resamples_where_every_label_is_defined():
+    rng = np.random.default_rng(5)
+    groups = np.repeat(np.arange(30), 2)
+    y = (rng.random((60, 2)) < 0.4).astype(float)
+    y[:, 1] = 0.0
+    y[[0, 1], 1] = 1.0                       # label B: one positive patient, lost in ~37% of resamples
+    s = y + rng.normal(size=y.shape)
+    res = M.bootstrap_auroc(y, s, groups, ["A", "B"], n_resamples=300, seed=4)
+    per = _resampled_aurocs(y, s, groups, 300, 4)
+    complete = ~np.isnan(per).any(axis=1)
+    assert 50 < (~complete).sum() < 200
+    want = np.percentile(per[complete].mean(axis=1), [2.5, 97.5])
+    assert res["mean_auroc_ci"] == pytest.approx(list(want), abs=1e-12)
+    assert res["mean_auroc"]["n_resamples_used"] == complete.sum()
+    assert res["mean_auroc"]["n_resamples_dropped"] == (~complete).sum() and "dropped" in res["mean_auroc"]["rule"]
+    # the per-label CIs still use every resample in which that label is defined
+    b_ok = ~np.isnan(per[:, 1])
+    assert res["labels"]["B"]["ci"] == pytest.approx(list(np.percentile(per[b_ok, 1], [2.5, 97.5])), abs=1e-12)
+
+
+def test_paired_difference_per_label_cis_match_an_independent_bootstrap():
+    rng = np.random.default_rng(8)
+    groups = np.repeat(np.arange(40), 3)
+    y = (rng.random((120, 3)) < 0.3).astype(float)
+    y[rng.random(y.shape) < 0.05] = np.nan
+    a = np.nan_to_num(y) + rng.normal(size=y.shape)
+    b = 0.5 * np.nan_to_num(y) + rng.normal(size=y.shape)
+    res = M.paired_bootstrap_auroc_diff(y, a, b, groups, LABELS3, n_resamples=200, seed=2)
+    diff = _resampled_aurocs(y, a, groups, 200, 2) - _resampled_aurocs(y, b, groups, 200, 2)
+    for j, lab in enumerate(LABELS3):
+        ok = ~np.isnan(diff[:, j])
+        assert res["labels"][lab]["ci"] == pytest.approx(list(np.percentile(diff[ok, j], [2.5, 97.5])), abs=1e-12)
+        known = ~np.isnan(y[:, j])
+        assert res["labels"][lab]["diff"] == pytest.approx(roc_auc_score(y[known, j], a[known, j])
+                                                           - roc_auc_score(y[known, j], b[known, j]))
+    complete = ~np.isnan(diff).any(axis=1)
+    assert res["ci"] == pytest.approx(list(np.percentile(diff[complete].mean(axis=1), [2.5, 97.5])), abs=1e-12)
+
+
+# --------------------------------------------------------------------------- calibration, PR, proportions
+def test_calibration_hand_computed_and_against_scikit_learn():
+    from sklearn.calibration import calibration_curve
+    from sklearn.metrics import brier_score_loss
+    y = np.array([0, 0, 1, 0, 1, 1, np.nan])
+    p = np.array([0.1, 0.2, 0.3, 0.6, 0.7, 0.9, 0.5])
+    cal = M.calibration(y, p, n_bins=2)     # bins [0, .5): p .1 .2 .3, y 0 0 1; [.5, 1]: p .6 .7 .9, y 0 1 1
+    assert cal["n"] == 6 and cal["prevalence"] == pytest.approx(0.5)
+    assert [b["count"] for b in cal["bins"]] == [3, 3]
+    assert cal["ece"] == pytest.approx(0.5 * abs(1 / 3 - 0.2) + 0.5 * abs(2 / 3 - 2.2 / 3))
+    assert cal["brier"] == pytest.approx((0.01 + 0.04 + 0.49 + 0.36 + 0.09 + 0.01) / 6)
+    rng = np.random.default_rng(0)
+    y = (rng.random(500) < 0.15).astype(float)
+    p = np.clip(0.1 + 0.5 * y * rng.random(500) + 0.2 * rng.random(500), 0, 1)
+    cal = M.calibration(y, p, n_bins=10)
+    frac, mean = calibration_curve(y, p, n_bins=10, strategy="uniform")
+    assert [b["fraction_positive"] for b in cal["bins"]] == pytest.approx(list(frac))
+    assert [b["mean_predicted"] for b in cal["bins"]] == pytest.approx(list(mean))
+    assert sum(b["count"] for b in cal["bins"]) == 500
+    assert cal["ece"] == pytest.approx(sum(b["count"] / 500 * abs(f - m) for b, f, m in zip(cal["bins"], frac, mean)))
+    assert cal["brier"] == pytest.approx(brier_score_loss(y, p))
+    with pytest.raises(ValueError, match="probabilities"):
+        M.calibration(y, p + 1.0)
+
+
+def test_precision_recall_and_wilson_interval():
+    from sklearn.metrics import average_precision_score
+    y = np.array([1, 0, 1, 0, 0, np.nan])
+    s = np.array([0.9, 0.8, 0.7, 0.2, 0.1, 0.5])
+    pr = M.precision_recall(y, s)
+    assert pr["auprc"] == pytest.approx((1.0 + 2 / 3) / 2)   # precision 1 at recall .5, 2/3 at recall 1
+    assert pr["auprc"] == pytest.approx(average_precision_score([1, 0, 1, 0, 0], s[:5]))
+    assert pr["prevalence"] == pytest.approx(0.4)
+    k, n, z = 7, 20, 1.959963984540054                        # Wilson (1927) by hand
+    phat = k / n
+    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n))
+    assert M.proportion_ci(k, n) == pytest.approx([centre - half, centre + half], abs=1e-9)
+    assert M.proportion_ci(0, 0) is None
+
+
+def test_positives_per_image_and_per_patient():
+    y = np.array([1, 1, 0, 1, np.nan, 0])
+    got = M.positives(y, ["p1", "p1", "p2", "p3", "p4", "p4"])
+    assert got == {"images": 3, "patients": 2, "known_images": 5}
+
+
+def test_each_reference_names_its_split():
+    """Wang et al. used the official NIH lists, the others their own random splits: the caveat says
+    so per reference instead of calling every published number a random split (issue 19 4a)."""
+    assert all(r.split for r in published.PUBLISHED)
+    assert "official NIH" in published.WANG2017.split and "random" in published.CHEXNET.split
+    assert "not the official" in published.ARNOWENG.split and "not the official" in published.ZECH.split
+    assert "Wang et al. used the official NIH lists" in published.SPLIT_CAVEAT
+
+
+def test_gain_over_seeds_resamples_patients_once_for_every_seed():
+    """The seed-averaged difference's CI: per resample, each seed's difference averaged over labels
+    (complete resamples only), then over seeds; checked against scikit-learn on expanded samples."""
+    from scipy import stats
+    rng = np.random.default_rng(11)
+    groups = np.repeat(np.arange(30), 2)
+    y = (rng.random((60, 2)) < 0.35).astype(float)
+    runs = [(y + rng.normal(size=y.shape), 0.4 * y + rng.normal(size=y.shape)) for _ in range(3)]
+    res = M.paired_bootstrap_over_seeds(y, runs, groups, ["A", "B"], n_resamples=150, seed=6)
+    diffs = [_resampled_aurocs(y, a, groups, 150, 6) - _resampled_aurocs(y, b, groups, 150, 6) for a, b in runs]
+    complete = ~np.isnan(np.stack(diffs)).any(axis=(0, 2))
+    per = np.mean([d[complete].mean(axis=1) for d in diffs], axis=0)
+    assert res["ci"] == pytest.approx(list(np.percentile(per, [2.5, 97.5])), abs=1e-12)
+    point = [np.mean([roc_auc_score(y[:, j], a[:, j]) - roc_auc_score(y[:, j], b[:, j]) for j in range(2)]) for a, b in runs]
+    assert res["per_seed"] == pytest.approx(point) and res["diff"] == pytest.approx(np.mean(point))
+    lo, hi = stats.t.interval(0.95, 2, loc=np.mean(point), scale=stats.sem(point))
+    assert res["t_ci"] == pytest.approx([lo, hi])
+    one = M.paired_bootstrap_over_seeds(y, runs[:1], groups, ["A", "B"], n_resamples=150, seed=6)
+    assert one["t_ci"] is None and one["ci"] == pytest.approx(
+        M.paired_bootstrap_auroc_diff(y, *runs[0], groups, ["A", "B"], n_resamples=150, seed=6)["ci"])

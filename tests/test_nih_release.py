@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from chexflow.config import ShardConfig
-from chexflow.data import nih, shards, sources
+from chexflow.data import nih, registry, shards, sources
+from chexflow.data.config import ShardConfig
 from chexflow.evaluate import published
 from conftest import REPO, job_counts, snakemake
 from http_server import FileServer
@@ -72,27 +72,27 @@ def test_split_of_nih_checks_the_tables_even_for_a_pilot(tmp_path, generated):
 # --------------------------------------------------------------------------- test-only registry override
 
 def test_registry_override_only_through_its_environment_variable(tmp_path, capsys):
-    assert sources.load_test_registry({}) is None
+    assert registry.load_test_registry({}) is None
     content = {"n_images": 5, "n_patients": 2, "n_train_val": 3, "n_test": 2}
     path = tmp_path / "registry.json"
     path.write_text(json.dumps({"nih": {"files": {"images_001.tar.gz": {"sha256": "AB" * 32, "size": 7}},
                                         "content": content}}))
-    reg = sources.load_test_registry({sources.TEST_REGISTRY_ENV: str(path)})
+    reg = registry.load_test_registry({sources.TEST_REGISTRY_ENV: str(path)})
     assert f"{sources.TEST_REGISTRY_ENV}={path}" in capsys.readouterr().err
-    src = sources.with_test_pins(sources.get_source("nih"), reg)
+    src = sources.with_test_pins(registry.get_source("nih"), reg)
     a1 = src.file("images_001.tar.gz")
     assert (a1.md5, a1.sha256, a1.size) == (None, "ab" * 32, 7)
-    assert a1.url == sources.get_source("nih").file("images_001.tar.gz").url      # only the pins change
-    assert src.file("images_002.tar.gz") == sources.get_source("nih").file("images_002.tar.gz")
-    assert sources.get_source("nih").file("images_001.tar.gz").md5 == "fe8ed0a6961412fddcbb3603c11b3698"
+    assert a1.url == registry.get_source("nih").file("images_001.tar.gz").url      # only the pins change
+    assert src.file("images_002.tar.gz") == registry.get_source("nih").file("images_002.tar.gz")
+    assert registry.get_source("nih").file("images_001.tar.gz").md5 == "fe8ed0a6961412fddcbb3603c11b3698"
     assert sources.registry_content(reg, "nih") == content
     (tmp_path / "bad.json").write_text(json.dumps({"nih": {"files": {"images_013.tar.gz": {"sha256": "0" * 64}}}}))
-    bad = sources.load_test_registry({sources.TEST_REGISTRY_ENV: str(tmp_path / "bad.json")})
+    bad = registry.load_test_registry({sources.TEST_REGISTRY_ENV: str(tmp_path / "bad.json")})
     with pytest.raises(sources.RegistryOverrideError, match="no file.*images_013.tar.gz"):
-        sources.with_test_pins(sources.get_source("nih"), bad)
+        sources.with_test_pins(registry.get_source("nih"), bad)
     (tmp_path / "bad2.json").write_text(json.dumps({"nihh": {}}))
     with pytest.raises(sources.RegistryOverrideError, match="unknown source 'nihh'"):
-        sources.load_test_registry({sources.TEST_REGISTRY_ENV: str(tmp_path / "bad2.json")})
+        registry.load_test_registry({sources.TEST_REGISTRY_ENV: str(tmp_path / "bad2.json")})
 
 
 # --------------------------------------------------------------------------- coverage of the listed images
@@ -187,14 +187,13 @@ def _study_config(mirror_url: str, archives: list[int] | None) -> dict:
     # the shortest pretraining there is: 28 px Fashion-MNIST as stored (no resize), 4 steps, 600 val images
     cfg["study"]["pretrain_dataset"] = "fashion_mnist"
     cfg["shards"]["fashion_mnist"].update(image_size=28, samples_per_shard=10000, val_fraction=0.01)
-    for stage in ("pretrain", "finetune"):
-        cfg[stage]["backend"] = "single"
-        cfg[stage]["data"]["crop"] = 32
-        cfg[stage]["checkpoint"]["every_steps"] = 1000
+    cfg["training"]["backend"] = "single"
+    cfg["training"]["checkpoint"]["every_steps"] = 1000
+    cfg["finetune"]["data"]["crop"] = 32
     cfg["pretrain"].update(epochs=1, batch_size=32)
     cfg["pretrain"]["data"].update(crop=28, samples_per_epoch=128)
     cfg["finetune"].update(epochs=2, batch_size=16)
-    cfg["evaluate"].update(crop=32, bootstrap_resamples=50)
+    cfg["evaluate"]["bootstrap_resamples"] = 50
     cfg["ablation"]["enabled"] = False      # this test is about the data path; the ablation has its own
     return cfg
 
@@ -221,9 +220,9 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
     with FileServer(mirror.root) as srv:
         # a declared pilot on archives 1 and 2: only they are downloaded and sharded
         jobs, html, manifest, metrics = _run(work, _study_config(srv.base_url, [1, 2]))
-        assert jobs["download_file"] == 4 + 2 + 3 and jobs["write_shards"] == 2 + 2
+        assert jobs["download_file"] == 4 + 2 + 4 and jobs["write_shards"] == 2 + 2
         fetched = sorted({r.path for r in srv.requests if r.status in (200, 206)})
-        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *nih.NIH_TABLES])
+        assert fetched == sorted(["images_001.tar.gz", "images_002.tar.gz", *nih.NIH_TABLES, nih.BOX_LIST_NAME])
         cov = manifest["coverage"]
         assert cov["pilot"] and (cov["n_listed"], cov["n_found"], cov["n_missing"]) == (360, 60, 300)
         assert sum(s["n_images"] for s in manifest["splits"].values()) == 60
@@ -253,3 +252,30 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
         published.CHEXNET.mean_over(metrics["mean_auroc_labels"]))
     auroc = pd.read_csv(work / "results/evaluate/auroc.csv").set_index("label")
     assert auroc.loc["mean", "chexnet"] == pytest.approx(metrics["chexnet_mean_same_labels"], abs=1e-4)
+    # the box list went through the release's path: boxes in 1,024 px frames, scored at the 32 px input
+    loc = metrics["localisation"]
+    assert loc["boxes"]["frame"] == nih.PNG_SIDE and loc["boxes"]["stored"] == 32 and loc["crop"] == 32
+    test = pd.read_csv(work / "results/evaluate/predictions.csv").set_index("image")
+    boxes = nih.read_box_list(mirror.root / nih.BOX_LIST_NAME)
+    boxes = boxes[boxes["image"].isin(test.index)]
+    boxed = {(r.image, r.label) for r in boxes.itertuples() if test.loc[r.image, r.label] == 1}
+    assert loc["boxes"]["n_test_boxes"] == len(boxes) and sum(e["n"] for e in loc["labels"].values()) == len(boxed) > 0
+    assert 'id="localisation-table"' in html and 'id="subgroup-table"' in html
+    card = (work / "results/finetune/model_card.md").read_text()
+    assert "NIH ChestX-ray14" in card and "SYNTHETIC" not in card
+
+
+def test_box_list_is_optional(tmp_path):
+    """datasets.nih.boxes: false leaves BBox_List_2017.csv out of the downloads and the evaluation (heatmaps
+    are drawn, not scored); by default the evaluation gets it with the release's 1,024 px frame."""
+    cfg = _study_config("http://127.0.0.1:1/", None)
+    for boxes, want in ((True, True), (False, False)):
+        cfg["datasets"]["nih"]["boxes"] = boxes
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+        dry = snakemake(tmp_path, "-n", "-p", "--configfile", str(tmp_path / "config.yaml"), "--",
+                        "results/evaluate/metrics.json")
+        assert dry.returncode == 0, dry.stderr[-3000:]
+        evaluate = dry.stdout.split("rule evaluate_model:", 1)[1].split("\n\n", 1)[0]
+        assert ("--boxes data/raw/nih/BBox_List_2017.csv --box-frame 1024" in evaluate) == want
+        assert ("data/raw/nih/BBox_List_2017.csv" in dry.stdout) == want
+        assert "--label-table data/raw/nih/Data_Entry_2017_v2020.csv" in evaluate

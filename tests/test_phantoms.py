@@ -13,7 +13,7 @@ import pytest
 
 from chexflow.data import images, nih
 from chexflow.data.phantoms.anatomy import sample_anatomy
-from chexflow.data.phantoms.draw import render_phantom
+from chexflow.data.phantoms.draw import render, render_phantom
 from chexflow.data.phantoms.release import (GENERATOR_VERSION, ReleaseError, ReleaseInfo, image_rng, make_release,
                                             patient_anatomy, patient_pool, pool_rows, sample_rows, split_patients)
 
@@ -41,7 +41,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_release_layout_and_contents(release):
     out, info = release
     expected = {"images_001.tar.gz", "images_002.tar.gz", "images_003.tar.gz", "Data_Entry_2017_v2020.csv",
-                "train_val_list.txt", "test_list.txt", "release.json", "SHA256SUMS"}
+                "train_val_list.txt", "test_list.txt", "BBox_List_2017.csv", "release.json", "SHA256SUMS"}
     assert set(p.name for p in out.iterdir()) == expected      # no temp files left behind
     assert info.archives == ("images_001.tar.gz", "images_002.tar.gz", "images_003.tar.gz")
 
@@ -72,6 +72,19 @@ def test_release_layout_and_contents(release):
     assert meta["generator_version"] == GENERATOR_VERSION and meta["archives"] == list(info.archives)
     assert meta["n_test_images"] == len(test) and meta["n_train_val_images"] == len(train_val)
     assert meta["label_counts"] == {k: int(labels[k].sum()) for k in nih.LABELS}
+
+    # where each finding was drawn, in the release's box-list format, in pixels of its 48 px images
+    boxes = nih.read_box_list(out / nih.BOX_LIST_NAME, frame=48)
+    assert meta["n_boxes"] == len(boxes) and meta["box_frame"] == 48
+    positive = {(img, lab) for img, row in labels[list(nih.LABELS)].iterrows() for lab in nih.LABELS if row[lab] == 1}
+    boxed = set(zip(boxes["image"], boxes["label"]))
+    assert boxed <= positive and len(boxed) >= 0.9 * len(positive)   # a finding that changed no pixel has none
+    first = boxes.iloc[0]
+    row = pd.read_csv(out / nih.LABEL_CSV_NAME, dtype=str).set_index("Image Index").loc[first["image"]]
+    again = render(labels.loc[first["image"], list(nih.LABELS)].to_numpy(float), size=48,
+                   rng=image_rng(SEED, first["image"]), anatomy=patient_anatomy(SEED, row["Patient ID"]))
+    assert [tuple(r[1:]) for r in again.regions if r.label == first["label"]][0] == \
+        tuple(first[["x", "y", "w", "h"]])
 
 
 def test_release_rows_are_real_whole_patients(release):
@@ -148,6 +161,35 @@ def test_render_deterministic_and_validated():
         render_phantom(np.zeros(13), size=64, rng=np.random.default_rng(1))
     for size in (16, 100, 257):
         assert render_phantom(np.ones(14), size=size, rng=np.random.default_rng(0)).shape == (size, size)
+
+
+@pytest.mark.parametrize("label", nih.LABELS)
+def test_regions_hold_where_the_finding_changed_the_image(label):
+    """The independent measure: the image with the finding minus the same exposure without it (the
+    other findings kept). Its strongest changes lie in the finding's boxes, and the boxes are small."""
+    i = nih.LABELS.index(label)
+    shown = 0
+    for k in range(8):
+        f = np.zeros(14)
+        f[[i, (i + 3 + k) % 14]] = 1
+        anatomy = sample_anatomy(np.random.default_rng(200 + k))
+        got = render(f, size=96, rng=np.random.default_rng(k), anatomy=anatomy)
+        assert np.array_equal(got.image, render_phantom(f, size=96, rng=np.random.default_rng(k), anatomy=anatomy))
+        f[i] = 0
+        diff = np.abs(got.image.astype(int) - render_phantom(f, size=96, rng=np.random.default_rng(k),
+                                                             anatomy=anatomy).astype(int))
+        inside = np.zeros(diff.shape, bool)
+        for r in got.regions:
+            if r.label == label:
+                inside[int(r.y):int(r.y + r.h), int(r.x):int(r.x + r.w)] = True
+        if diff.max() == 0:
+            assert not inside.any()                                # invisible: no box
+            continue
+        shown += 1
+        strong = diff >= 0.5 * diff.max()
+        assert (strong & inside).sum() >= 0.95 * strong.sum()
+        assert inside.mean() < 0.5, f"{label}: boxes cover {inside.mean():.0%} of the image"
+    assert shown >= 6
 
 
 def test_patient_anatomy_is_shared_by_follow_ups():

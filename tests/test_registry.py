@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from chexflow import config as C
-from chexflow.config import ShardConfig
 from chexflow.data import registry, shards, sources
+from chexflow.data.config import ShardConfig
 from chexflow.data.dataset import Dataset, DatasetInfo
 from chexflow.data.sources import RemoteFile, Source
 from conftest import REPO, cli_env
@@ -23,14 +23,16 @@ def _source(name: str) -> Source:
 
 def test_config_schema_datasets_are_the_registry():
     schema = C.study_schema()
-    assert list(schema["properties"]["datasets"]["properties"]) == list(registry.NAMES)
+    # a downloaded dataset has a datasets: entry (its mirror), a generated release its own section
+    downloaded = [n for n, d in registry.DATASETS.items() if not d.generated]
+    assert list(schema["properties"]["datasets"]["properties"]) == downloaded == ["fashion_mnist", "nih", "imagenet"]
+    assert {"demo_release", "demo_pretrain_release"} <= set(schema["properties"])
     assert list(schema["properties"]["shards"]["properties"]) == list(registry.NAMES)
     study = schema["properties"]["study"]["properties"]
     assert study["pretrain_dataset"]["enum"] == ["fashion_mnist", "nih_demo_pretrain", "imagenet"]
     assert study["finetune_dataset"]["enum"] == ["nih_demo", "nih"]
     # dataset-specific keys come from the adapters: the NIH pilot subset, ImageNet's train parts
     assert "archives" in schema["properties"]["datasets"]["properties"]["nih"]["properties"]
-    assert "archives" not in schema["properties"]["datasets"]["properties"]["nih_demo"]["properties"]
     shard_keys = {n: set(s["properties"]) for n, s in schema["properties"]["shards"]["properties"].items()}
     assert "train_parts" in shard_keys["imagenet"] and "train_parts" not in shard_keys["nih"]
 
@@ -119,7 +121,8 @@ def test_a_new_dataset_is_one_adapter_and_one_registry_entry(monkeypatch):
     cfg["shards"]["toy"] = {"image_size": 32}
     import jsonschema
     jsonschema.validate(cfg, schema)
-    src = sources.get_source("toy")
+    assert C.check_study(cfg).shards["toy"].image_size == 32      # ranges and relations too
+    src = registry.get_source("toy")
     assert shards.parts_of("toy", ShardConfig(dataset="toy")) == ["a", "b"]
     assert [f.name for f in registry.get("toy").part_files(src, "b")] == ["b.zip", "labels.csv"]
     assert [f.name for f in registry.get("toy").split_files(src)] == ["labels.csv"]

@@ -95,6 +95,23 @@ def _make_inputs(tmp_path: Path) -> dict:
     }
 
 
+def report_inputs(inputs: dict) -> dict:
+    """The report's inputs as one structure (what the rule passes as --inputs-json) from the fixture's
+    files; a file set to None is left out."""
+    tree = {"evaluation": {"metrics": inputs["metrics_json"], "predictions": inputs.get("predictions_csv")},
+            "training": {"pretrain": inputs["pretrain_metrics"], "finetune": inputs["finetune_metrics"]},
+            "manifests": dict(zip(("pretrain", "finetune"), (inputs["manifests"] or {}).values())),
+            "benchmarks": inputs.get("stage_benchmarks") or {}}
+    for section, files in inputs.get("studies", {}).items():
+        tree[section] = files
+    return {section: {k: (str(v) if isinstance(v, Path) else v) for k, v in files.items() if v is not None}
+            for section, files in tree.items()}
+
+
+def _render(out: Path, inputs: dict, **kw) -> None:
+    render.render_report(out, inputs=report_inputs(inputs), config=inputs["config"], provenance=inputs["provenance"], **kw)
+
+
 @pytest.fixture()
 def inputs(tmp_path: Path) -> dict:
     return _make_inputs(tmp_path)
@@ -105,7 +122,7 @@ def report_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The report rendered once from the full fixture inputs (rendering takes a few seconds)."""
     base = tmp_path_factory.mktemp("report")
     out = base / "out" / "report.html"
-    render.render_report(out, **_make_inputs(base))
+    _render(out, _make_inputs(base))
     assert out.is_file()
     return out
 
@@ -171,8 +188,10 @@ def test_report_has_banner_and_auroc_table(report: str):
     assert by_label["Hernia"][wang_col] == "0.8717"
     assert by_label["Hernia"][1] == "n/a"
     assert by_label["Atelectasis"][1] == "0.7000"
-    assert by_label["Atelectasis"][-1] == f"{0.70 - 0.8094:+.4f}"
     assert by_label["Atelectasis"][2] == "0.650 – 0.750"
+    # synthetic data: the published numbers for orientation only, no "difference to CheXNet" coloured green/red
+    assert "This run − CheXNet" not in header and 'class="pos"' not in report and 'class="neg"' not in report
+    assert "published, for orientation only" in report and "no difference is taken" in report
     assert len(rows["tfoot"]) == 1 and rows["tfoot"][0][0].startswith("Mean (13 labels)")
     chexnet_13 = np.mean([v for k, v in published.CHEXNET_AUROC.items() if k != "Hernia"])
     assert rows["tfoot"][0][chexnet_col] == f"{chexnet_13:.4f}"
@@ -219,17 +238,23 @@ def test_alternative_ci_keys_and_validation_operating_points(tmp_path: Path, inp
         if e["auroc"] is not None:
             e["threshold_val_youden"] = 0.5
             e["test_operating_point"] = {"threshold": 0.5, "sensitivity": 0.8, "specificity": 0.6, "ppv": 0.4,
-                                         "f1": 0.5333, "tp": 8, "fp": 12, "tn": 18, "fn": 2}
+                                         "npv": 0.9, "f1": 0.5333, "tp": 8, "fp": 12, "tn": 18, "fn": 2}
+            few = lab == "Atelectasis"          # its threshold rests on 12 positive images of 4 patients
+            e.update(val_positives=12 if few else 30, val_positive_patients=4 if few else 20,
+                     threshold_few_positives=few)
+    m["min_val_positives"] = 10
     m["bootstrap"] = {"n_resamples": 1000, "seed": 0, "mean_auroc_ci": m.pop("mean_auroc_ci")}
     inputs["metrics_json"].write_text(json.dumps(m))
     out = tmp_path / "r.html"
-    render.render_report(out, **{**inputs, "predictions_csv": None})
+    _render(out, {**inputs, "predictions_csv": None})
     html = out.read_text()
     rows = _table(html, "auroc-table")
     assert rows["tbody"][0][2] == "0.650 – 0.750"
     assert rows["tfoot"][0][2] == "0.700 – 0.800"
     ops = _table(html, "operating-points")["tbody"]
-    assert ops[0] == ["Atelectasis", "0.500", "0.800", "0.600", "0.400", "0.533"]
+    assert ops[0] == ["Atelectasis", "0.500", "0.800", "0.600", "0.400", "0.900", "0.533", "12 / 4", "few positives"]
+    assert ops[1][-2:] == ["30 / 20", ""]
+    assert "fewer than 10 positive images or patients there (evaluate.min_val_positives): 1 of 14 are" in " ".join(html.split())
     assert ops[-1][0] == "Hernia" and ops[-1][1].startswith("n/a")
     assert "chosen on the validation set" in html and "optimistic" not in html
 
@@ -239,18 +264,21 @@ def test_no_banner_for_real_data(tmp_path: Path, inputs: dict):
     manifest["synthetic"] = False
     inputs["manifests"]["nih_demo"].write_text(json.dumps(manifest))
     out = tmp_path / "real.html"
-    render.render_report(out, **{**inputs, "predictions_csv": None, "stage_benchmarks": None})
+    _render(out, {**inputs, "predictions_csv": None, "stage_benchmarks": None})
     html = out.read_text()
     assert "synthetic-banner" not in html and "SYNTHETIC demo data" not in html
     assert 'id="roc"' not in html
-    assert len(_table(html, "auroc-table")["tbody"]) == 14
+    rows = _table(html, "auroc-table")
+    assert len(rows["tbody"]) == 14
+    diff = rows["thead"][0].index("This run − CheXNet")      # real data: the difference, with its sign
+    assert {r[0]: r[diff] for r in rows["tbody"]}["Atelectasis"] == f"{0.70 - 0.8094:+.4f}"
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path: Path, inputs: dict):
     out = tmp_path / "o" / "report.html"
     out.parent.mkdir()
     out.write_text("old")
-    render.render_report(out, **{**inputs, "predictions_csv": None})
+    _render(out, {**inputs, "predictions_csv": None})
     assert sorted(p.name for p in out.parent.iterdir()) == ["report.html"]
     assert out.read_text().startswith("<!DOCTYPE html>")
 
@@ -259,41 +287,41 @@ def test_atomic_write_leaves_no_temp_files(tmp_path: Path, inputs: dict):
 def test_missing_input_names_the_file(tmp_path: Path, inputs: dict, key: str):
     inputs[key].unlink()
     with pytest.raises(render.ReportInputError, match=re.escape(str(inputs[key]))):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
     assert not (tmp_path / "r.html").exists()
 
 
 def test_malformed_inputs_are_reported(tmp_path: Path, inputs: dict):
     inputs["finetune_metrics"].write_text('{"epoch": 0, "train_loss": 1.0, "val_metric": 0.5}\nnot json\n')
     with pytest.raises(render.ReportInputError, match=r"finetune\.jsonl:2"):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
     inputs["finetune_metrics"].write_text('{"epoch": 0}\n')
     with pytest.raises(render.ReportInputError, match=r"missing key\(s\)"):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
     inputs["finetune_metrics"].write_text("")
     with pytest.raises(render.ReportInputError, match="no epochs"):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
 
 
 def test_malformed_metrics_and_manifest(tmp_path: Path, inputs: dict):
     good = inputs["metrics_json"].read_text()
     inputs["metrics_json"].write_text(json.dumps({"labels": {}}))
     with pytest.raises(render.ReportInputError, match="missing key 'mean_auroc'"):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
     inputs["metrics_json"].write_text(good)
     inputs["manifests"]["nih_demo"].write_text("{broken")
     with pytest.raises(render.ReportInputError, match="nih_manifest.json is not valid JSON"):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
     inputs["manifests"]["nih_demo"].write_text("{}")
     with pytest.raises(render.ReportInputError, match="missing key 'splits'"):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
 
 
 def test_predictions_missing_column(tmp_path: Path, inputs: dict):
     df = pd.read_csv(inputs["predictions_csv"]).drop(columns=["Edema_score"])
     df.to_csv(inputs["predictions_csv"], index=False)
     with pytest.raises(render.ReportInputError, match="Edema_score"):
-        render.render_report(tmp_path / "r.html", **inputs)
+        _render(tmp_path / "r.html", inputs)
 
 
 def test_collect_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -360,7 +388,7 @@ def test_subtitle_and_pilot_banner_describe_the_run(inputs, tmp_path):
               "pretrain": {"backend": "horovod", "model": {"arch": "resnet50"}},
               "finetune": {"backend": "ddp", "model": {"arch": "densenet121"}}}
     out = tmp_path / "pilot.html"
-    render.render_report(out, **{**inputs, "manifests": {"fashion_mnist": inputs["manifests"]["fashion_mnist"],
+    _render(out, {**inputs, "manifests": {"fashion_mnist": inputs["manifests"]["fashion_mnist"],
                                                         "nih": path}, "config": config})
     html = out.read_text()
     subtitle = re.search(r'<p class="subtitle" id="run-subtitle">(.*?) &middot;', html).group(1)
@@ -376,7 +404,7 @@ def test_subtitle_and_pilot_banner_describe_the_run(inputs, tmp_path):
     nih_manifest["coverage"].update(pilot=False, archives=None, n_found=112120, n_missing=0,
                                     parts=[f"images_{i:03d}" for i in range(1, 13)])
     path.write_text(json.dumps(nih_manifest))
-    render.render_report(out, **{**inputs, "manifests": {"fashion_mnist": inputs["manifests"]["fashion_mnist"],
+    _render(out, {**inputs, "manifests": {"fashion_mnist": inputs["manifests"]["fashion_mnist"],
                                                         "nih": path}, "config": config})
     html = out.read_text()
     assert 'id="pilot-banner"' not in html and "all 12 archives: 112,120 of 112,120 listed images" in html

@@ -5,10 +5,35 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from chexflow.report import render
 from chexflow.studies import scaling, sweep
-from test_report import _make_inputs, _table
+from chexflow.train import checkpoint as ckpt
+from test_report import _make_inputs, _render, _table
+
+
+def _with_studies(inputs: dict, studies: dict) -> dict:
+    """The fixture's inputs with study sections (the report's one input structure)."""
+    tree = {"scaling": {"table": studies.get("scaling_csv"), "plot": studies.get("scaling_plot")},
+            "sweep": {"table": studies.get("sweep_table"), "selection": studies.get("sweep_selection"),
+                      "metrics": studies.get("sweep_metrics")}}
+    if studies.get("ablation"):
+        tree["ablation"] = studies["ablation"]
+    return {**inputs, "studies": {k: v for k, v in tree.items() if any(x is not None for x in v.values())}}
+
+
+def _runs(inputs: dict, ablation_dir: Path, *, main_init: str = "pretrained") -> dict:
+    """The ablation's two runs (seed 0): the main run and the other arm, their metrics naming init and seed."""
+    other = "random" if main_init == "pretrained" else "pretrained"
+    for path, init in ((inputs["metrics_json"], main_init), (ablation_dir / "metrics.json", other)):
+        m = json.loads(path.read_text())
+        m.update(model_init=init, model_seed=0, model_epoch=3 if init == "pretrained" else 4)
+        path.write_text(json.dumps(m))
+    return {f"{main_init}_seed0": {"metrics": inputs["metrics_json"], "predictions": inputs["predictions_csv"],
+                                   "training": inputs["finetune_metrics"]},
+            f"{other}_seed0": {"metrics": ablation_dir / "metrics.json", "predictions": ablation_dir / "predictions.csv",
+                               "training": inputs["finetune_metrics"]}}
 
 
 def _study_inputs(tmp_path: Path, inputs: dict) -> dict:
@@ -23,37 +48,33 @@ def _study_inputs(tmp_path: Path, inputs: dict) -> dict:
                                  "global_batch": 8 * w}))
         points.append(p)
     scaling.write_summary(points, out_csv=d / "scaling.csv", out_json=d / "scaling.json", out_png=d / "scaling.png")
-    model = d / "t001_model.pt"
-    model.write_bytes(b"weights of trial t001")
+    model = d / "t001_model.pt"      # the selection copies only a checked model file of the winner's run
+    ckpt.save_atomic(ckpt.model_record(
+        state_dict={"w": torch.zeros(1)}, run_id="t001run", stage="finetune", dataset="nih_demo", task="multilabel",
+        labels=["Mass"], arch="resnet18", in_channels=1, crop=32, epoch=1, val_metric=0.66,
+        val_metric_name="mean_auroc", config={}), model)
     results = []
     for trial, status, val, reason in (("t000", "ok", 0.61, None), ("t001", "ok", 0.66, None),
                                        ("t002", "failed", None, "diverged: non-finite training loss at step 3")):
         r = d / f"{trial}.json"
         r.write_text(json.dumps({"trial": trial, "params": {"optim.lr": {"t000": 1e-3, "t001": 3e-3, "t002": 10.0}[trial]},
                                  "status": status, "val_metric": val, "val_metric_name": "mean_auroc",
-                                 "reason": reason, "model": str(model) if trial == "t001" else None}))
+                                 "reason": reason, "model": str(model) if trial == "t001" else None,
+                                 "run_id": f"{trial}run"}))
         results.append(r)
     sweep.write_selection(results, out_csv=d / "trials.csv", out_json=d / "selection.json", out_model=d / "winner.pt")
-    assert (d / "winner.pt").read_bytes() == b"weights of trial t001"
-    ablation = json.loads(inputs["metrics_json"].read_text())
-    for e in ablation["labels"].values():
-        if e["auroc"] is not None:
-            e["auroc"] -= 0.1
-    ablation["mean_auroc"] -= 0.1
-    ablation["mean_auroc_ci"] = [0.6, 0.7]
-    (d / "ablation.json").write_text(json.dumps(ablation))
+    assert (d / "winner.pt").read_bytes() == model.read_bytes()
     return {"scaling_csv": d / "scaling.csv", "scaling_plot": d / "scaling.png", "sweep_table": d / "trials.csv",
-            "sweep_selection": d / "selection.json", "sweep_metrics": inputs["metrics_json"],
-            "ablation_metrics": d / "ablation.json"}
+            "sweep_selection": d / "selection.json", "sweep_metrics": inputs["metrics_json"]}
 
 
 def test_study_sections(tmp_path):
     inputs = _make_inputs(tmp_path)
     inputs["config"] = {"finetune": {"init": "pretrained"}}
     out = tmp_path / "r.html"
-    render.render_report(out, **inputs, **_study_inputs(tmp_path, inputs))
+    _render(out, _with_studies(inputs, _study_inputs(tmp_path, inputs)))
     html = out.read_text()
-    for section in ("scaling", "sweep", "ablation"):
+    for section in ("scaling", "sweep"):
         assert f'id="{section}"' in html and f'href="#{section}"' in html
     rows = _table(html, "scaling-table")["tbody"]
     assert [r[0] for r in rows] == ["1", "2", "4"]
@@ -64,18 +85,12 @@ def test_study_sections(tmp_path):
     assert [(r[0], r[2], r[-1]) for r in sweep_rows] == [
         ("t000", "ok", ""), ("t001", "ok", "winner"), ("t002", "failed", "diverged: non-finite training loss at step 3")]
     assert "3 trials, 1 failed" in html and "the winner (t001)" in html
-    abl = _table(html, "ablation-table")
-    mean = json.loads(inputs["metrics_json"].read_text())["mean_auroc"]
-    assert abl["tbody"][0][0] == "Fine-tuned from the pretraining model" and abl["tbody"][0][1] == f"{mean:.4f}"
-    assert abl["tbody"][1][0] == "Fine-tuned from random init" and abl["tbody"][1][1] == f"{mean - 0.1:.4f}"
-    assert abl["tbody"][1][2] == "0.600 – 0.700"
-    assert abl["tfoot"][0][1] == "+0.1000"
 
 
 def test_no_study_sections_without_inputs(tmp_path):
     inputs = _make_inputs(tmp_path)
     out = tmp_path / "r.html"
-    render.render_report(out, **inputs)
+    _render(out, inputs)
     html = out.read_text()
     for section in ("scaling", "sweep", "ablation"):
         assert f'id="{section}"' not in html
@@ -86,9 +101,21 @@ def test_missing_study_input_is_named(tmp_path):
     studies = _study_inputs(tmp_path, inputs)
     studies["scaling_plot"].unlink()
     with pytest.raises(render.ReportInputError, match="scaling plot not found"):
-        render.render_report(tmp_path / "r.html", **inputs, **studies)
+        _render(tmp_path / "r.html", _with_studies(inputs, studies))
     with pytest.raises(render.ReportInputError, match="both"):
-        render.render_report(tmp_path / "r.html", **inputs, sweep_table=studies["sweep_table"])
+        _render(tmp_path / "r.html", _with_studies(inputs, {"sweep_table": studies["sweep_table"]}))
+
+
+def test_input_structure_is_checked_by_name(tmp_path):
+    inputs = _make_inputs(tmp_path)
+    from test_report import report_inputs
+    tree = report_inputs(inputs)
+    for bad, message in (({**tree, "extras": {}}, "unknown section 'extras'"),
+                         ({**tree, "evaluation": {**tree["evaluation"], "heatmap": "x"}}, r"unknown evaluation input\(s\) \['heatmap'\]"),
+                         ({k: v for k, v in tree.items() if k != "training"}, "training.pretrain is required"),
+                         ({**tree, "ablation": {"r": {"metrics": "m"}}}, "ablation.r must name exactly")):
+        with pytest.raises(render.ReportInputError, match=message):
+            render.render_report(tmp_path / "r.html", inputs=bad, config={}, provenance={})
 
 
 def test_scaling_plot_has_integer_rank_ticks_and_report_names_shared_cores(tmp_path):
@@ -108,14 +135,15 @@ def test_scaling_plot_has_integer_rank_ticks_and_report_names_shared_cores(tmp_p
     scaling.write_summary(points, out_csv=d / "scaling.csv", out_json=d / "scaling.json", out_png=d / "scaling.png")
     inputs = _make_inputs(tmp_path)
     out = tmp_path / "r.html"
-    render.render_report(out, **inputs, scaling_csv=d / "scaling.csv", scaling_plot=d / "scaling.png")
+    _render(out, _with_studies(inputs, {"scaling_csv": d / "scaling.csv", "scaling_plot": d / "scaling.png"}))
     html = " ".join(out.read_text().split())
     assert "up to 3 ranks shared its 2 CPU core(s)" in html
     assert "(threads per rank: 1 rank(s) &times; 2, 2 rank(s) &times; 1, 3 rank(s) &times; 1)" in html
 
 
 def test_ablation_gain_with_paired_ci_in_summary(tmp_path):
-    """The summary states pretrained - random with the paired patient-bootstrap CI of real predictions."""
+    """The summary states pretrained - random with the paired patient-bootstrap CI of real predictions,
+    the tested epochs of both arms, the one-seed caveat and the per-finding differences with CIs."""
     import numpy as np
     import pandas as pd
 
@@ -137,8 +165,7 @@ def test_ablation_gain_with_paired_ci_in_summary(tmp_path):
     (abl_dir / "metrics.json").write_text(json.dumps(abl_metrics))
     inputs["config"] = {"finetune": {"init": "pretrained"}, "evaluate": {"bootstrap_resamples": 400, "seed": 0}}
     out = tmp_path / "r.html"
-    render.render_report(out, **inputs, ablation_metrics=abl_dir / "metrics.json",
-                         ablation_predictions=abl_dir / "predictions.csv")
+    _render(out, _with_studies(inputs, {"ablation": _runs(inputs, abl_dir)}))
     html = " ".join(out.read_text().split())
     y = main[labels].to_numpy(float)
     other = other.set_index("image").loc[main["image"]]
@@ -152,14 +179,65 @@ def test_ablation_gain_with_paired_ci_in_summary(tmp_path):
     assert (f"Pretraining helps on this data: fine-tuning from the pretraining model reaches test mean AUROC "
             f"{want['mean_a']:.3f}, from random init with the same budget {want['mean_b']:.3f}; the gain "
             f"{want['diff']:+.3f} has a 95% CI of {lo:+.3f} to {hi:+.3f}") in html
-    assert _table(out.read_text(), "ablation-table")["tfoot"][0][2] == f"{lo:+.3f} – {hi:+.3f} (paired)"
+    assert "This verdict rests on one training seed per arm (tested epochs: pretrained 3, random init 4)" in html
+    abl = _table(out.read_text(), "ablation-table")
+    assert [r[:2] + r[4:5] for r in abl["tbody"]] == [["Fine-tuned from the pretraining model", "0", "3 of 4"],
+                                                      ["Fine-tuned from random init", "0", "4 of 4"]]
+    assert abl["tfoot"][0][3] == f"{lo:+.3f} – {hi:+.3f} (paired)"
+    per_label = {r[0]: r for r in _table(out.read_text(), "ablation-labels")["tbody"]}
+    for lab in want["labels_used"]:          # each finding's difference with its own paired CI
+        e = want["labels"][lab]
+        assert per_label[lab.replace("_", " ")][3:] == [f"{e['diff']:+.3f}", f"{e['ci'][0]:+.3f} – {e['ci'][1]:+.3f}"]
+    assert "Ablation: fine-tuning from random init (seed 0)" in html      # the other arm's training curves
     # the other way round (random init better): said plainly, not implied as a gain
-    render.render_report(out, **{**inputs, "config": {**inputs["config"], "finetune": {"init": "random"}}},
-                         ablation_metrics=abl_dir / "metrics.json", ablation_predictions=abl_dir / "predictions.csv")
+    inputs["config"] = {**inputs["config"], "finetune": {"init": "random"}}
+    _render(out, _with_studies(inputs, {"ablation": _runs(inputs, abl_dir, main_init="random")}))
     html = " ".join(out.read_text().split())
     assert "Pretraining HURTS on this data" in html and f"{-want['diff']:+.3f}" in html
     # predictions of other images than the main run's are refused by name
     other.reset_index().iloc[:-3].to_csv(abl_dir / "predictions.csv", index=False)
     with pytest.raises(render.ReportInputError, match="other test images"):
-        render.render_report(out, **inputs, ablation_metrics=abl_dir / "metrics.json",
-                             ablation_predictions=abl_dir / "predictions.csv")
+        _render(out, _with_studies(inputs, {"ablation": _runs(inputs, abl_dir)}))
+
+
+def test_ablation_verdict_over_seeds(tmp_path):
+    """Three seeds per arm: the gain averaged over seeds with its patient CI and the t-interval over
+    seeds, computed independently (scikit-learn AUROCs, scipy's t)."""
+    import numpy as np
+    import pandas as pd
+    from scipy import stats
+    from sklearn.metrics import roc_auc_score
+
+    inputs = _make_inputs(tmp_path)
+    main = pd.read_csv(inputs["predictions_csv"], dtype={"image": str, "patient": str})
+    labels = [lab for lab in json.loads(inputs["metrics_json"].read_text())["labels"] if lab != "Hernia"]
+    rng = np.random.default_rng(3)
+    runs, gains = {}, []
+    for seed in (0, 1, 2):
+        arms = {}
+        for init, noise in (("pretrained", 0.2), ("random", 0.8)):
+            d = tmp_path / f"{init}{seed}"
+            d.mkdir()
+            df = main.copy()
+            for lab in labels:
+                df[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=noise, size=len(main))
+            df.to_csv(d / "predictions.csv", index=False)
+            m = json.loads(inputs["metrics_json"].read_text())
+            m.update(model_init=init, model_seed=seed, model_epoch=2)
+            (d / "metrics.json").write_text(json.dumps(m))
+            runs[f"{init}_seed{seed}"] = {"metrics": d / "metrics.json", "predictions": d / "predictions.csv",
+                                          "training": inputs["finetune_metrics"]}
+            known = {lab: main[lab].notna() for lab in labels}
+            arms[init] = np.mean([roc_auc_score(main.loc[known[lab], lab], df.loc[known[lab], f"{lab}_score"])
+                                  for lab in labels if main.loc[known[lab], lab].nunique() == 2])
+        gains.append(arms["pretrained"] - arms["random"])
+    inputs["config"] = {"finetune": {"init": "pretrained", "seed": 0}, "evaluate": {"bootstrap_resamples": 200, "seed": 0}}
+    out = tmp_path / "r.html"
+    _render(out, _with_studies(inputs, {"ablation": runs}))
+    html = " ".join(out.read_text().split())
+    mean = float(np.mean(gains))
+    half = stats.t.ppf(0.975, 2) * np.std(gains, ddof=1) / np.sqrt(3)
+    assert f"the gain averaged over seeds is {mean:+.3f} (per seed: {gains[0]:+.3f}, {gains[1]:+.3f}, {gains[2]:+.3f})" in html
+    assert f"over training seeds {mean - half:+.3f} to {mean + half:+.3f} (t-interval of the 3 per-seed gains)" in html
+    assert "one training seed per arm" not in html
+    assert len(_table(out.read_text(), "ablation-table")["tbody"]) == 6

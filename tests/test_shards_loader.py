@@ -1,6 +1,5 @@
 """Shards and streaming: patient-wise splits, manifests, resume, exactly-once per epoch."""
 import json
-from collections import Counter
 
 import numpy as np
 import pandas as pd
@@ -68,7 +67,7 @@ def test_epochs_reshuffle_and_seed_determinism(demo_manifest):
 
 
 def test_gpu_augment_shapes_and_determinism():
-    from chexflow.config import AugmentConfig
+    from chexflow.data.config import AugmentConfig
     x = torch.randint(0, 255, (4, 40, 40), dtype=torch.uint8)
     a = L.gpu_augment(x, out_size=32, train=True, cfg=AugmentConfig(rotate_deg=5),
                       generator=torch.Generator().manual_seed(1))
@@ -81,11 +80,12 @@ def test_gpu_augment_shapes_and_determinism():
 
 def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
     """A crash after some shards: the rerun keeps finished shards and writes only the rest."""
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     raw = demo_manifest.parent.parent / "raw"
     cfg = ShardConfig(dataset="nih_demo", image_size=32, samples_per_shard=10, val_fraction=0.2,
                       max_reject_fraction=0.0)
-    ref = S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", tmp_path / "ref", cfg)
+    ref = S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", tmp_path / "ref", cfg,
+                       n_archives=3)
 
     out = tmp_path / "crash"
     calls = {"n": 0}
@@ -99,7 +99,7 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
     S.images.decode_grey = crashing
     try:
         with pytest.raises(KeyboardInterrupt):
-            S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", out, cfg)
+            S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", out, cfg, n_archives=3)
     finally:
         S.images.decode_grey = real
     assert not (out / "manifest.json").exists()
@@ -112,7 +112,8 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
         return real(data, name=name, **kw)
     S.images.decode_grey = counting
     try:
-        resumed = S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", out, cfg)
+        resumed = S.write_part("nih_demo", "images_001", raw, demo_manifest.parent / "splits.csv", out, cfg,
+                               n_archives=3)
     finally:
         S.images.decode_grey = real
     assert decoded["n"] == 80 - sum(s["count"] for s in resumed["shards"] if s["file"] in before)
@@ -124,7 +125,7 @@ def test_write_part_resumes_only_missing_shards(tmp_path, demo_manifest):
 def test_reject_fraction_fails_with_names(tmp_path, demo_manifest):
     import io
     import tarfile
-    from chexflow.config import ShardConfig
+    from chexflow.data.config import ShardConfig
     raw = demo_manifest.parent.parent / "raw"
     bad_raw = tmp_path / "raw"
     bad_raw.mkdir()
@@ -141,8 +142,10 @@ def test_reject_fraction_fails_with_names(tmp_path, demo_manifest):
             tar.addfile(info, io.BytesIO(data))
     cfg = ShardConfig(dataset="nih_demo", image_size=32, samples_per_shard=10, max_reject_fraction=0.0)
     with pytest.raises(S.ShardError, match=members[3][0]):
-        S.write_part("nih_demo", "images_001", bad_raw, demo_manifest.parent / "splits.csv", tmp_path / "o", cfg)
+        S.write_part("nih_demo", "images_001", bad_raw, demo_manifest.parent / "splits.csv", tmp_path / "o", cfg,
+                     n_archives=3)
     cfg = ShardConfig(dataset="nih_demo", image_size=32, samples_per_shard=10, max_reject_fraction=0.05)
-    m = S.write_part("nih_demo", "images_001", bad_raw, demo_manifest.parent / "splits.csv", tmp_path / "o2", cfg)
+    m = S.write_part("nih_demo", "images_001", bad_raw, demo_manifest.parent / "splits.csv", tmp_path / "o2", cfg,
+                     n_archives=3)
     assert [r["image"] for r in m["rejects"]] == [members[3][0]]
     assert sum(s["count"] for s in m["shards"]) == len(members) - 1

@@ -94,16 +94,17 @@ def test_demo_on_slurm_every_rule_a_job_on_its_partition(slurm_demo):
 
 def test_rerun_after_a_failure_redoes_only_what_failed(slurm_demo):
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    # a configuration error in fine-tuning: it fails; pretraining stays done
+    # fine-tuning fails on its data (a batch larger than the training split: only the job can know,
+    # settings alone fail before any job); pretraining stays done
     pre_mtime = (work / "results/pretrain/model.pt").stat().st_mtime_ns
     bad = json.loads(json.dumps(cfg))
-    bad["finetune"]["model"]["arch"] = "resnet_that_does_not_exist"
+    bad["finetune"]["batch_size"] = 100000
     cfgfile.write_text(yaml.safe_dump(bad))
     proc = snakemake_slurm(cluster, work, cfgfile)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "Error in rule finetune_model" in log
-    assert "resnet_that_does_not_exist" in (work / "logs/finetune/train.log").read_text()
+    assert "too little data for one step" in (work / "logs/finetune/train.log").read_text()
     assert not (work / "results/finetune/model.pt").exists()
 
     # fixed: only fine-tuning and what depends on it run again
@@ -218,9 +219,9 @@ def test_requeued_training_job_resumes_from_its_checkpoint(slurm_demo):
     cluster, work, cfg, cfgfile, _ = slurm_demo
     longer = json.loads(json.dumps(cfg))
     longer["finetune"]["epochs"] = 4
-    longer["finetune"]["checkpoint"]["every_steps"] = 5
+    longer["finetune"]["checkpoint"] = {"every_steps": 5}      # over training.checkpoint, for this stage
     longer["finetune"]["check_every_steps"] = 2         # the signal acted on within KillWait on a loaded machine
-    assert longer["finetune"]["data"]["workers"] >= 1, "the scenario needs loader workers (the default)"
+    assert longer["training"]["data"]["workers"] >= 1, "the scenario needs loader workers (the default)"
     before = len(_attempt_logs(work, "finetune"))
     proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scontrol", "requeue"])
     _start_requeued_now(cluster.env, job)
@@ -244,7 +245,7 @@ def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
     cluster, work, cfg, cfgfile, _ = slurm_demo
     longer = json.loads(json.dumps(cfg))
     longer["finetune"]["epochs"] = 5
-    longer["finetune"]["checkpoint"]["every_steps"] = 5
+    longer["finetune"]["checkpoint"] = {"every_steps": 5}      # over training.checkpoint, for this stage
     proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scancel"])
     # snakemake-executor-plugin-slurm 2.8.0 never takes sacct's "CANCELLED by <uid>" for a failure
     # and would wait forever (README, "Running on your cluster"): the user stops it with Ctrl-C
@@ -277,7 +278,7 @@ def _pretrain_variant(cfg: dict, seed: int, epochs: int) -> dict:
     out = json.loads(json.dumps(cfg))
     pre = out["pretrain"]
     pre.update(seed=seed, epochs=epochs, check_every_steps=2)
-    pre["checkpoint"].update(every_steps=5, lease_wait_s=5)
+    pre["checkpoint"] = {**pre.get("checkpoint", {}), "every_steps": 5, "lease_wait_s": 5}   # over training's
     return out
 
 

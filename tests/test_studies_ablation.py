@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chexflow.config import ConfigError, TrainConfig
-from chexflow.studies import ablation
+from chexflow.settings import ConfigError
+from chexflow.train import config as ablation
+from chexflow.train.config import TrainConfig
 from conftest import REPO, job_counts, snakemake
 
 
@@ -56,7 +57,16 @@ def test_ablation_dag_flips_the_init(tmp_path):
     strip = lambda s: json.loads(re.search(r"--config-json '(\{.*?\})'", s).group(1))  # noqa: E731
     a, m = strip(shell), strip(main)
     assert a.pop("init") == "random" and m.pop("init") == "pretrained" and a == m
-    assert "--ablation-metrics results/ablation/evaluate/metrics.json" in _shell_of(dry.stdout, "render_report")
+    report = _shell_of(dry.stdout, "render_report")
+    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", report).group(1))
+    assert tree["ablation"] == {
+        "pretrained_seed0": {"metrics": "results/evaluate/metrics.json", "predictions": "results/evaluate/predictions.csv",
+                             "training": "results/finetune/metrics.jsonl"},
+        "random_seed0": {"metrics": "results/ablation/evaluate/metrics.json",
+                         "predictions": "results/ablation/evaluate/predictions.csv",
+                         "training": "results/ablation/finetune/metrics.jsonl"}}
+    assert "--no-heatmaps" in _shell_of(dry.stdout, "evaluate_ablation")
+    assert "--no-heatmaps" not in _shell_of(dry.stdout, "evaluate_model")
 
     _, cfgfile = _config(tmp_path, init="random")
     dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
@@ -65,12 +75,37 @@ def test_ablation_dag_flips_the_init(tmp_path):
     assert '"init": "pretrained"' in shell and "--pretrained results/pretrain/model.pt" in shell
 
 
+def test_ablation_seeds_run_every_arm_with_every_seed(tmp_path):
+    """ablation.seeds: one fine-tuning + evaluation per arm and seed; the finetune seed's runs are the
+    main run and results/ablation/ (the default DAG's), the others under results/ablation/seed<s>/<init>/."""
+    cfg, cfgfile = _config(tmp_path, init="pretrained", seed=0)
+    cfg["ablation"]["seeds"] = [0, 1, 2]
+    cfgfile.write_text(yaml.safe_dump(cfg))
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    counts = job_counts(dry.stdout)
+    assert counts["finetune_model"] == counts["finetune_ablation"] == counts["evaluate_ablation"] == 1
+    assert counts["finetune_seed"] == counts["evaluate_seed"] == 4
+    runs = re.findall(r"--config-json '(\{[^']*\})' --manifest \S+ ?(--pretrained \S+)? --out-dir (results/ablation/seed\d/\w+)/finetune",
+                      dry.stdout)
+    got = {(json.loads(c)["init"], json.loads(c)["seed"], bool(p), d) for c, p, d in runs}
+    assert got == {(init, seed, init == "pretrained", f"results/ablation/seed{seed}/{init}")
+                   for init in ("pretrained", "random") for seed in (1, 2)}
+    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
+    assert sorted(tree["ablation"]) == sorted(f"{i}_seed{s}" for i in ("pretrained", "random") for s in (0, 1, 2))
+    assert tree["benchmarks"]["evaluate_random_seed2"] == "benchmarks/ablation/seed2/random/evaluate.tsv"
+    cfg["ablation"]["seeds"] = [1, 1]
+    cfgfile.write_text(yaml.safe_dump(cfg))
+    bad = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile))
+    assert bad.returncode != 0 and "ablation.seeds" in bad.stdout + bad.stderr
+
+
 @pytest.mark.slow
 def test_ablation_rules_tiny(tmp_path, demo_manifest):
     """The random-init run (main run from the pretraining model) trained and evaluated on test for real."""
     cfg, cfgfile = _config(tmp_path, init="pretrained", backend="single", epochs=1, batch_size=16)
     cfg["finetune"]["data"].update(crop=32, workers=0, samples_per_epoch=64)
-    cfg["evaluate"].update(crop=32, bootstrap_resamples=50)
+    cfg["evaluate"]["bootstrap_resamples"] = 50
     cfgfile.write_text(yaml.safe_dump(cfg))
     shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/nih_demo")
     proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--set-resources", "finetune_ablation:tasks=1",

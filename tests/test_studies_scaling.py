@@ -12,7 +12,8 @@ import yaml
 
 from conftest import REPO, horovod_available, job_counts, snakemake
 
-from chexflow.config import ScalingConfig, TrainConfig
+from chexflow.studies.config import ScalingConfig
+from chexflow.train.config import TrainConfig
 from chexflow.studies import scaling
 
 

@@ -13,7 +13,9 @@ import yaml
 
 from conftest import REPO, job_counts, snakemake
 
-from chexflow.config import SweepConfig, TrainConfig, from_dict
+from chexflow.settings import ConfigError, from_dict
+from chexflow.studies.config import SweepConfig
+from chexflow.train.config import TrainConfig
 from chexflow.studies import sweep
 
 SPACE = {"batch_size": [16, 32], "freeze": [0, 2, 4], "optim": {"lr": [1e-4, 1e-3, 1e-2], "weight_decay": [0.0, 1e-4]},
@@ -59,7 +61,7 @@ def test_random_is_seeded_and_inside_the_space():
 
 
 def test_bad_space_and_bad_freeze_fail_early():
-    with pytest.raises(sweep.SweepError, match="optim.lr"):
+    with pytest.raises(ConfigError, match=r"space\.optim\.lr\[0\]: 0\.0 is not > 0"):
         sweep.expand_trials(from_dict(SweepConfig, {"space": {"optim": {"lr": [0.0]}}}))
     with pytest.raises(sweep.SweepError, match="freeze"):
         sweep.trial_config({"stage": "finetune", "model": {"arch": "resnet18"}}, {"freeze": 7})
@@ -87,7 +89,7 @@ def test_sweep_rules_tiny(tmp_path, demo_manifest):
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg["finetune"].update(backend="single", init="random", epochs=1, batch_size=16)
     cfg["finetune"]["data"].update(crop=32, workers=0, samples_per_epoch=64)
-    cfg["evaluate"].update(crop=32, bootstrap_resamples=50)
+    cfg["evaluate"]["bootstrap_resamples"] = 50
     cfg["sweep"] = {"enabled": True, "method": "grid", "space": {"optim": {"lr": [1e-3, 1e30]}}}
     cfgfile = tmp_path / "config.yaml"
     cfgfile.write_text(yaml.safe_dump(cfg))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from chexflow.config import OptimConfig, ScheduleConfig
+from chexflow.train.config import OptimConfig, ScheduleConfig
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.losses import masked_bce
 from chexflow.train.models import build_model, load_backbone
@@ -73,7 +73,9 @@ def test_checkpoint_newest_valid_skips_corrupt_and_foreign(tmp_path):
     logs = []
     path, state = ckpt.load_newest_valid(tmp_path, run_id="r1", log=logs.append)
     assert state["step"] == 20 and path.name == "step-000000020-r1.pt"
-    assert any("step-000000030-r1.pt" in m and "unreadable" in m for m in logs)
+    assert any("step-000000030-r1.pt refused: not a torch zip archive (truncated" in m for m in logs), logs
+    # set aside, out of the resume and of pruning
+    assert not newest.exists() and newest.with_name(newest.name + ".refused").exists()
     # a checkpoint of another configuration is never resumed
     assert ckpt.load_newest_valid(tmp_path, run_id="other", log=logs.append) is None
     assert any("belong to other configurations" in m for m in logs)

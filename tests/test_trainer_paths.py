@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from chexflow import config as C
+from chexflow.settings import from_dict
+from chexflow.train.config import TrainConfig
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
 from chexflow.train.backends import Backend
@@ -22,10 +23,10 @@ from test_distributed import train_cfg
 pytestmark = pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter:UserWarning")
 
 
-def cfg_of(**over) -> C.TrainConfig:
+def cfg_of(**over) -> TrainConfig:
     """The multi-rank tests' config on one process, with the CPU defaults (no GPU branch forced)."""
     base = {"seed": 3, "channels_last": "auto", "check_every_steps": 20, "checkpoint": {"every_steps": 2, "keep": 5}}
-    return C.from_dict(C.TrainConfig, train_cfg("single", **{**base, **over}))
+    return from_dict(TrainConfig, train_cfg("single", **{**base, **over}))
 
 
 def trainer(cfg, manifest, tmp_path, device=None, backend=None) -> T.Trainer:
@@ -159,7 +160,7 @@ def _written_by_other_world(demo_manifest, tmp_path, world: int):
     assert trainer(cfg, demo_manifest, tmp_path).fit() == 0
     path, newer = ckpt.list_checkpoints(tmp_path / "ckpt")
     newer.unlink()                              # the end-of-run checkpoint at step 4
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)      # checkpoints hold tensors and plain types only
     state["world_size"] = world
     torch.save(state, path)
     return path
@@ -261,7 +262,7 @@ def test_the_trainer_learns_a_learnable_task(fashion_manifest, tmp_path):
     validation AUROC at chance): the training loop learns. One epoch of 3,200 Fashion-MNIST
     images, 50 Adam steps (fused kernels, the default) of 64 on one process: validation accuracy
     far above chance (0.1), the loss far below log(10)."""
-    cfg = C.from_dict(C.TrainConfig, train_cfg(
+    cfg = from_dict(TrainConfig, train_cfg(
         "single", stage="pretrain", dataset="fashion_mnist", epochs=1, batch_size=64, seed=0, channels_last="auto",
         data={"crop": 32, "samples_per_epoch": 3200, "workers": 0, "shuffle_buffer": 500},
         optim={"name": "adam", "lr": 1e-3, "reference_batch": 64}, schedule={"warmup_epochs": 0.1},

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import yaml
 from sklearn.metrics import roc_auc_score
 
@@ -22,13 +24,13 @@ def tiny_config(backend: str) -> dict:
     cfg["demo_pretrain_release"].update(n_images=1200, image_size=32, images_per_archive=600)
     for ds in ("nih_demo", "nih_demo_pretrain"):
         cfg["shards"][ds].update(image_size=32, samples_per_shard=100)
+    cfg["training"]["backend"] = backend
+    cfg["training"]["checkpoint"]["every_steps"] = 20
     for stage in ("pretrain", "finetune"):
-        cfg[stage]["backend"] = backend
         cfg[stage]["data"]["crop"] = 32
-        cfg[stage]["checkpoint"]["every_steps"] = 20
     cfg["pretrain"].update(epochs=2, batch_size=32)
     cfg["finetune"].update(epochs=4, batch_size=16)
-    cfg["evaluate"].update(crop=32, bootstrap_resamples=200)
+    cfg["evaluate"]["bootstrap_resamples"] = 200
     return cfg
 
 
@@ -48,12 +50,17 @@ def test_dry_run_dag_has_every_stage_in_order(tmp_path):
     # the demo pretrains on its own phantom corpus (3 archives) and fine-tunes on the demo release (3)
     assert counts["make_demo_release"] == 2
     assert counts["write_shards"] == 3 + 3
-    assert counts["download_file"] == 6 + 6      # per release: 3 archives + 3 tables
+    # per release: 3 archives + 3 tables; the fine-tuning release's box list (localisation) too
+    assert counts["download_file"] == 6 + 7
+    assert "data/raw/nih_demo/BBox_List_2017.csv" in dry.stdout and "nih_demo_pretrain/BBox_List_2017.csv" not in dry.stdout
     assert "--dataset nih_demo_pretrain" in dry.stdout and "data/shards/nih_demo_pretrain/manifest.json" in dry.stdout
     assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == 1
     # the ablation (pretrained vs random init) is the demo's headline: on by default; scaling and sweep are off
     assert counts["finetune_ablation"] == counts["evaluate_ablation"] == 1
-    assert "--ablation-predictions results/ablation/evaluate/predictions.csv" in dry.stdout
+    # the report's inputs as one structure, the ablation's runs and jobs in it
+    assert ('"random_seed0": {"metrics": "results/ablation/evaluate/metrics.json", '
+            '"predictions": "results/ablation/evaluate/predictions.csv"') in dry.stdout
+    assert '"finetune_random_seed0": "benchmarks/ablation/train.tsv"' in dry.stdout
     for rule in ("scale_pretrain", "summarize_scaling", "sweep_trial", "select_sweep", "evaluate_sweep_winner"):
         assert rule not in counts, rule
 
@@ -82,6 +89,48 @@ def test_invalid_config_key_fails_before_any_job(tmp_path):
     proc = snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "config.yaml"))
     assert proc.returncode != 0
     assert "learning_rate" in proc.stdout + proc.stderr
+
+
+def _chain_twice_config(backend: str) -> dict:
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["training"].update(backend=backend, data={"workers": 0, "shuffle_buffer": 64})
+    cfg["pretrain"].update(epochs=1, batch_size=32)
+    cfg["pretrain"]["data"] = {**cfg["pretrain"]["data"], "samples_per_epoch": 128, "shuffle_buffer": 64}
+    cfg["finetune"] = {**cfg["finetune"], "epochs": 2, "batch_size": 16}
+    cfg["finetune"]["data"] = {**cfg["finetune"]["data"], "samples_per_epoch": 64}
+    cfg["evaluate"]["bootstrap_resamples"] = 50
+    cfg["ablation"]["enabled"] = False
+    return cfg
+
+
+@pytest.mark.slow
+def test_tiny_chain_twice_gives_identical_metrics(tmp_path, demo_manifest):
+    """What is reproducible (README): the same chain run twice on one machine and software stack, in
+    two fresh directories, gives bit-identical models and byte-identical test metrics."""
+    backend = "horovod" if horovod_available() else "ddp"
+    runs = []
+    for name in ("a", "b"):
+        work = tmp_path / name
+        for dataset in ("nih_demo", "nih_demo_pretrain"):      # the demo shards stand in for both datasets
+            shutil.copytree(demo_manifest.parent, work / "data/shards" / dataset)
+        (work / "config.yaml").write_text(yaml.safe_dump(_chain_twice_config(backend)))
+        proc = snakemake(work, "--configfile", str(work / "config.yaml"), "--allowed-rules", "pretrain_model",
+                         "finetune_model", "evaluate_model", "--", "results/evaluate/metrics.json")
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        runs.append(work)
+    a, b = runs
+    for name in ("metrics.json", "predictions.csv"):
+        assert (a / "results/evaluate" / name).read_bytes() == (b / "results/evaluate" / name).read_bytes(), name
+    for stage in ("pretrain", "finetune"):
+        wa = torch.load(a / f"results/{stage}/model.pt", weights_only=True)["state_dict"]
+        wb = torch.load(b / f"results/{stage}/model.pt", weights_only=True)["state_dict"]
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), stage
+        timing = ("images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
+        rows = [[{k: v for k, v in json.loads(x).items() if k not in timing}
+                 for x in (w / f"results/{stage}/metrics.jsonl").read_text().splitlines()] for w in (a, b)]
+        assert rows[0] == rows[1] and len(rows[0]) == (1 if stage == "pretrain" else 2)
+    metrics = json.loads((a / "results/evaluate/metrics.json").read_text())
+    assert metrics["n_images"] > 0 and 0.0 <= metrics["mean_auroc"] <= 1.0
 
 
 @pytest.mark.slow

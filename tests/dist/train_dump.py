@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from chexflow import config as C
+from chexflow.settings import load_stage_config
+from chexflow.train.config import TrainConfig
 from chexflow.fsutil import write_text_atomic as _real_write_text
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
@@ -23,7 +24,7 @@ ap.add_argument("--pretrained", type=Path, default=None)
 ap.add_argument("--dump", type=Path, required=True)
 args = ap.parse_args()
 
-cfg = C.load_stage_config(C.TrainConfig, text=args.config_json)
+cfg = load_stage_config(TrainConfig, text=args.config_json)
 backend = backend_for(cfg)
 writes = []
 real_save = ckpt.save_atomic

@@ -11,8 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from chexflow.config import (ConfigError, DemoReleaseConfig, EvaluateConfig, ScalingConfig, ShardConfig,
-                             TrainConfig, from_dict, load_stage_config)
+from chexflow.data.config import DemoReleaseConfig, ShardConfig
+from chexflow.evaluate.config import EvaluateConfig
+from chexflow.predict.config import ExportConfig, PredictConfig
+from chexflow.settings import ConfigError, from_dict, load_stage_config
+from chexflow.studies.config import ScalingConfig
+from chexflow.train.config import TrainConfig
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -39,21 +43,22 @@ def cmd_make_demo_release(args) -> None:
                          f"(those are: {', '.join(n for n, d in registry.DATASETS.items() if getattr(d, 'generated', False))})")
     info = make_release(args.out, n_images=cfg.n_images, image_size=cfg.image_size,
                         images_per_archive=cfg.images_per_archive, test_fraction=cfg.test_fraction,
-                        seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True)
+                        seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True,
+                        boxes=dataset.has_boxes)
     print(info)
 
 
 def cmd_download(args) -> None:
-    from chexflow.data import download, sources
-    src = sources.get_source(args.dataset, n_archives=args.n_archives)
-    src = sources.with_test_pins(src, sources.load_test_registry())   # tests only: see sources.py
+    from chexflow.data import download, registry, sources
+    src = registry.get_source(args.dataset, n_archives=args.n_archives)
+    src = sources.with_test_pins(src, registry.load_test_registry())   # tests only: see sources.py
     download.fetch_source_file(src, args.file, args.dest, args.mirror or None, progress=True)
 
 
 def cmd_split(args) -> None:
-    from chexflow.data import nih, shards, sources
+    from chexflow.data import nih, registry, shards, sources
     cfg = _load(ShardConfig, args)
-    content = sources.registry_content(sources.load_test_registry(), cfg.dataset)   # tests only
+    content = sources.registry_content(registry.load_test_registry(), cfg.dataset)   # tests only
     df = shards.split_dataset(cfg.dataset, args.raw, cfg, args.out,
                               expected=nih.ReleaseCounts(**content) if content else None)
     counts = df.groupby("split").agg(images=("image", "size"), patients=("patient", "nunique"))
@@ -63,7 +68,8 @@ def cmd_split(args) -> None:
 def cmd_shards(args) -> None:
     from chexflow.data import shards
     cfg = _load(ShardConfig, args)
-    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, progress=True)
+    m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, n_archives=args.n_archives,
+                          progress=True)
     print(f"{cfg.dataset}/{args.part}: {len(m['shards'])} shards, "
           f"{sum(s['count'] for s in m['shards'])} images, {len(m['rejects'])} rejected")
 
@@ -80,10 +86,13 @@ def cmd_gather(args) -> None:
 def cmd_train(args) -> None:
     from chexflow.train import signals
     signals.install()           # before torch is imported (seconds): a signal then is remembered, not fatal
-    from chexflow.train.trainer import TrainPaths, run
+    from chexflow.train.run import start
+    from chexflow.train.trainer import TrainPaths
     cfg = _load(TrainConfig, args)
-    run(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
-                        pretrained=args.pretrained, tensorboard=args.tensorboard))
+    outcome = start(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
+                                    pretrained=args.pretrained, tensorboard=args.tensorboard))
+    if outcome.exit_code:
+        sys.exit(outcome.exit_code)
 
 
 def cmd_launch(args) -> None:
@@ -99,29 +108,63 @@ def cmd_keep_log(args) -> None:
     print(f"this attempt's log: {args.log} (kept as {link_numbered(args.log)})", file=sys.stderr)
 
 
+def _expected_run_ids(args) -> set[str] | None:
+    """The run ids the model to evaluate may carry: of the training section (--train-config-json)
+    or, with --trials-json, of each sweep trial's overrides of it; None when no section is given."""
+    from chexflow.evaluate.run import expected_run_ids
+    if args.train_config_json is None:
+        if args.trials_json is not None:
+            raise ConfigError("--trials-json needs --train-config-json (the section the trials override)")
+        return None
+    section = load_stage_config(TrainConfig, text=args.train_config_json)
+    if args.trials_json is None:
+        return expected_run_ids([section], args.pretrained)
+    from chexflow.studies.sweep import apply_params
+    trials = json.loads(args.trials_json)
+    if not isinstance(trials, list) or not all(isinstance(t, dict) for t in trials):
+        raise ConfigError(f"--trials-json: expected a list of mappings (the trials' overrides), got {trials!r}")
+    base = json.loads(args.train_config_json)
+    return expected_run_ids([from_dict(TrainConfig, apply_params(base, t)) for t in trials], args.pretrained)
+
+
 def cmd_evaluate(args) -> None:
     from chexflow.evaluate.run import run
     cfg = _load(EvaluateConfig, args)
-    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir)
+    res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir,
+              expect_run_ids=_expected_run_ids(args), label_table=args.label_table, boxes=args.boxes,
+              box_frame=args.box_frame, heatmaps=not args.no_heatmaps)
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
+def cmd_predict(args) -> None:
+    from chexflow.predict.run import run
+    cfg = _load(PredictConfig, args)
+    run(cfg, model_path=args.model, manifest=args.manifest, metrics=args.metrics, out_csv=args.out,
+        inputs=args.inputs, heatmap_dir=args.heatmap_dir)
+
+
+def cmd_export(args) -> None:
+    from chexflow.predict.export import run
+    cfg = _load(ExportConfig, args)
+    summary = run(cfg, model_path=args.model, manifest=args.manifest, metrics=args.metrics, out_dir=args.out_dir,
+                  model_card=args.model_card)
+    for fmt, e in summary["exports"].items():
+        print(f"{fmt}: {args.out_dir / e['file']} (max |export - torch| {max(e['max_abs_diff'].values()):.3g})")
+
+
 def cmd_report(args) -> None:
-    from chexflow.report.render import collect_provenance, render_report
+    from chexflow.report.render import ReportInputError, collect_provenance, render_report
     import yaml
     if args.study_config_json:
         config = json.loads(args.study_config_json)
     else:
         config = yaml.safe_load(args.study_config.read_text()) if args.study_config else {}
-    manifests = dict(kv.split("=", 1) for kv in args.manifest)
-    benches = dict(kv.split("=", 1) for kv in args.benchmark)
-    render_report(args.out, metrics_json=args.metrics, predictions_csv=args.predictions,
-                  pretrain_metrics=args.pretrain_metrics, finetune_metrics=args.finetune_metrics,
-                  manifests={k: Path(v) for k, v in manifests.items()}, config=config,
-                  provenance=collect_provenance(args.repo), stage_benchmarks={k: Path(v) for k, v in benches.items()},
-                  scaling_csv=args.scaling_csv, scaling_plot=args.scaling_plot, sweep_table=args.sweep_table,
-                  sweep_selection=args.sweep_selection, sweep_metrics=args.sweep_metrics,
-                  ablation_metrics=args.ablation_metrics, ablation_predictions=args.ablation_predictions)
+    try:
+        inputs = json.loads(args.inputs_json)
+    except json.JSONDecodeError as exc:
+        raise ReportInputError(f"--inputs-json is not valid JSON: {exc}") from exc
+    render_report(args.out, inputs=inputs, config=config, provenance=collect_provenance(args.repo),
+                  model_card=args.model_card)
 
 
 def cmd_scale_point(args) -> None:
@@ -192,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", type=Path, required=True)
     p.add_argument("--splits", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True, help="directory of this part's shards")
+    p.add_argument("--n-archives", type=int, default=None,
+                   help="a generated release (nih_demo*): its number of archives, as configured")
     p.set_defaults(func=cmd_shards)
 
     p = sub.add_parser("gather", help="combine part manifests into the dataset manifest")
@@ -227,7 +272,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--manifest", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--train-config-json", default=None,
+                   help="the training section (with stage, dataset) that should have produced the model: its run "
+                        "id must be the model file's (the rules pass it; without it the run id is not checked)")
+    p.add_argument("--pretrained", type=Path, default=None,
+                   help="the pretraining model, for a section with init: pretrained (part of the run id)")
+    p.add_argument("--trials-json", default=None,
+                   help="sweep: the trials' overrides of that section (a JSON list); the model must be one trial's")
+    p.add_argument("--label-table", type=Path, default=None, help="the release's label table (subgroups)")
+    p.add_argument("--boxes", type=Path, default=None, help="the release's box list (localisation scores)")
+    p.add_argument("--box-frame", type=int, default=None, help="side (px) of the images the boxes refer to")
+    p.add_argument("--no-heatmaps", action="store_true", help="no Grad-CAM (the ablation's runs)")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("predict", help="the fine-tuned model on PNG/JPEG/DICOM files: one CSV row per file")
+    _add_config(p)
+    p.add_argument("--model", type=Path, required=True, help="results/finetune/model.pt")
+    p.add_argument("--manifest", type=Path, required=True,
+                   help="manifest of the data the model was trained on (its stored image size)")
+    p.add_argument("--metrics", type=Path, required=True,
+                   help="evaluation's metrics.json (the thresholds chosen on validation)")
+    p.add_argument("--out", type=Path, required=True, help="the CSV to write")
+    p.add_argument("--heatmap-dir", type=Path, default=None, help="with predict.heatmaps (default: beside --out)")
+    p.add_argument("inputs", nargs="*", help="folders, image files or .txt lists (default: predict.inputs)")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("export", help="TorchScript and ONNX of the fine-tuned model, checked against torch")
+    _add_config(p)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, required=True, help="its dataset (the test images of the check)")
+    p.add_argument("--metrics", type=Path, required=True, help="evaluation's metrics.json (thresholds)")
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--model-card", type=Path, default=None, help="carried along when the file exists")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("scale-point", help="one rank of the scaling study at one world size")
     _add_config(p)
@@ -264,25 +341,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", type=Path, nargs="+", help="result.json of every trial")
     p.set_defaults(func=cmd_sweep_select)
 
-    p = sub.add_parser("report", help="the self-contained HTML report")
+    p = sub.add_parser("report", help="the self-contained HTML report and the model card")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--metrics", type=Path, required=True)
-    p.add_argument("--predictions", type=Path, default=None)
-    p.add_argument("--pretrain-metrics", type=Path, required=True)
-    p.add_argument("--finetune-metrics", type=Path, required=True)
-    p.add_argument("--manifest", action="append", default=[], metavar="NAME=PATH")
-    p.add_argument("--benchmark", action="append", default=[], metavar="STAGE=PATH")
+    p.add_argument("--model-card", type=Path, default=None, help="also write the model card (Markdown) here")
+    p.add_argument("--inputs-json", required=True,
+                   help='the report\'s files as one structure, e.g. {"evaluation": {"metrics": PATH, ...}, ...} '
+                        "(chexflow.report.render.INPUTS; the rule passes its named inputs)")
     p.add_argument("--study-config", type=Path, default=None, help="config.yaml of the study")
     p.add_argument("--study-config-json", default=None, help="the study config as JSON (rules)")
     p.add_argument("--repo", type=Path, default=None)
-    p.add_argument("--scaling-csv", type=Path, default=None, help="scaling study table (optional section)")
-    p.add_argument("--scaling-plot", type=Path, default=None)
-    p.add_argument("--sweep-table", type=Path, default=None, help="sweep trials.csv (optional section)")
-    p.add_argument("--sweep-selection", type=Path, default=None)
-    p.add_argument("--sweep-metrics", type=Path, default=None, help="test metrics.json of the sweep winner")
-    p.add_argument("--ablation-metrics", type=Path, default=None, help="test metrics.json of the ablation run")
-    p.add_argument("--ablation-predictions", type=Path, default=None,
-                   help="test predictions.csv of the ablation run (paired CI of the gain)")
     p.set_defaults(func=cmd_report)
     return ap
 

@@ -1,402 +1,398 @@
-"""Typed, frozen configuration per stage.
+"""The study: config.yaml as a whole, checked before any job runs.
 
-``config.yaml`` is validated by JSON schema in the Snakefile; each rule then hands its stage's
-resolved section to the CLI, which builds one of these dataclasses. The same loader is used when a
-stage is rerun by hand from the ``config.yaml`` it wrote next to its outputs, so a typo is caught
-either way, with the dotted key in the message.
+Each component owns its settings (``chexflow.data.config``, ``chexflow.train.config``,
+``chexflow.evaluate.config``, ``chexflow.studies.config``); this module, above them all, puts the
+sections together. :func:`check_study` is what the Snakefile calls first: it builds every section
+(types and ranges), resolves the shared ``training:`` section into each stage's TrainConfig, checks
+every relation between settings (a crop against the stored image size, the fine-tuning's
+architecture against the pretraining's, ...) and fails listing ALL problems, each with its dotted
+key, the value and what is allowed. :func:`study_schema` generates the JSON schema of config.yaml
+(``python -m chexflow.config > workflow/chexflow/schemas/config.schema.yaml``; a test keeps it in sync).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import types
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+import re
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
 
 import yaml
 
-from chexflow.fsutil import write_text_atomic
+from chexflow.data import registry
+from chexflow.data.config import DemoReleaseConfig, ShardConfig, SourceConfig
+from chexflow.data.dataset import ShardError
+from chexflow.evaluate.config import EvaluateConfig
+from chexflow.predict.config import ExportConfig, PredictConfig
+from chexflow.settings import ConfigError, build, dataclass_schema, normalize_numbers, to_dict
+from chexflow.studies.config import AblationConfig, ScalingConfig, SweepConfig
+from chexflow.train import config as train_config
+from chexflow.train.config import STAGES, TrainConfig
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or of the wrong type; the message names the key."""
-
-
-# --------------------------------------------------------------------------- training
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str = "resnet18"            # any torchvision classification model name
-    in_channels: int = 1              # radiographs are grey; conv1 is adapted to this
-    dropout: float = 0.0              # dropout before the classification head
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    flip: bool = True                 # random horizontal flip (GPU side)
-    scale_min: float = 0.7            # RandomResizedCrop area range [scale_min, 1]
-    rotate_deg: float = 0.0           # random rotation, degrees
+STUDY_SECTIONS = {"evaluate": EvaluateConfig, "scaling": ScalingConfig, "sweep": SweepConfig,
+                  "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
+REQUIRED = ("study", "shards", "pretrain", "finetune")
+# ShardConfig fields the workflow sets: the dataset (the section's name) and a pilot subset of the
+# archives (datasets.<name>.archives); a dataset's own keys (train_parts, ...) only where its adapter has
+# them (shard_options)
+_SHARD_SET_BY_WORKFLOW = ("dataset", "archives")
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    crop: int = 32                    # training/eval image side in px (centre crop at eval)
-    samples_per_epoch: int | None = None  # cap per epoch (None: the whole train split)
-    workers: int = 1                  # CPU loader workers per rank
-    shuffle_buffer: int = 1000        # streaming shuffle buffer per worker (samples)
-    stage_to: str | None = None       # copy shards to node-local disk first (e.g. "$TMPDIR")
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
+class StudySection:
+    pretrain_dataset: str = "nih_demo_pretrain"
+    finetune_dataset: str = "nih_demo"
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = 0.1                   # LR for `reference_batch` images; scaled linearly (Goyal et al.)
-    reference_batch: int = 256
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    nesterov: bool = True
-    backbone_lr_mult: float = 1.0     # init pretrained: backbone LR = this x the head's (ignored for random init)
-    # the optimizer's kernels (torchtitan's names): fused = one kernel over all parameters (CUDA and
-    # CPU); foreach = multi-tensor ops; for-loop = one tensor at a time (torch's default on CPU)
-    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
+class Study:
+    """config.yaml, checked: every value typed, in range and consistent with the others."""
+    pretrain_dataset: str
+    finetune_dataset: str
+    sources: dict[str, SourceConfig]          # datasets.<name> (downloaded datasets)
+    releases: dict[str, DemoReleaseConfig]    # generated datasets: their release section
+    shards: dict[str, ShardConfig]            # shards.<name>, with the dataset and a pilot subset set
+    train: dict[str, TrainConfig]             # pretrain, finetune: resolved from training + the stage
+    evaluate: EvaluateConfig
+    scaling: ScalingConfig
+    sweep: SweepConfig
+    ablation: AblationConfig
+    predict: PredictConfig
+    export: ExportConfig
 
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    warmup_epochs: float = 1.0        # gradual warmup from lr/world_size... to the scaled LR
-    decay: Literal["cosine", "step", "none"] = "cosine"
-    step_epochs: tuple[int, ...] = ()  # for decay=step: epochs at which LR is divided by 10
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    every_steps: int = 200            # periodic checkpoint (also on SIGTERM/SIGUSR1)
-    keep: int = 3                     # newest checkpoints kept (per run: other runs' files are never pruned)
-    # a resume finds a checkpoint written by another number of ranks: the data order and the LR
-    # schedule depend on the world size. refuse: stop with a message naming both sizes; remap:
-    # resume weights/optimizer/epoch, map the position in the epoch by samples seen and recompute
-    # the LR schedule for the new world (logged; that epoch's data order is no longer exact)
-    on_world_change: Literal["refuse", "remap"] = "refuse"
-    # one trainer at a time per checkpoint directory (a lease file, chexflow.train.lease): a second one
-    # waits this long for the holder to end, then stops naming it (a Snakemake retry tries again)
-    lease_wait_s: int = 120
-    # a holder on another host that neither its host's process table nor SLURM can vouch for is
-    # presumed dead after this long without a heartbeat (it renews every lease_stale_s / 10)
-    lease_stale_s: int = 600
-
-    def __post_init__(self) -> None:
-        if self.lease_wait_s < 0:
-            raise ConfigError(f"checkpoint.lease_wait_s: must be >= 0 seconds, got {self.lease_wait_s}")
-        if self.lease_stale_s < 10:
-            raise ConfigError(f"checkpoint.lease_stale_s: must be >= 10 seconds, got {self.lease_stale_s}")
-
-
-@dataclass(frozen=True)
-class HorovodConfig:
-    fp16_compression: bool = False    # hvd.Compression.fp16 for the allreduce
-    fusion_threshold_mb: int = 64     # HOROVOD_FUSION_THRESHOLD
-    backward_passes_per_step: int = 1  # gradient accumulation inside DistributedOptimizer
-    # reduce and broadcast GPU tensors through host copies: for a Horovod built without GPU
-    # operations, or several ranks sharing one GPU (NCCL refuses that); slower, never the default
-    stage_through_cpu: bool = False
-
-
-@dataclass(frozen=True)
-class DDPConfig:
-    # torch.distributed process group. auto: "cpu:gloo,cuda:nccl" on GPU (NCCL for CUDA tensors, gloo
-    # for CPU ones: flags, objects, broadcasts of CPU state), "gloo" on CPU. "cpu:gloo,cuda:gloo"
-    # runs the same per-device routing on a machine without GPUs (NCCL needs a GPU): the tests use it.
-    process_group: Literal["auto", "gloo", "nccl", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:gloo"] = "auto"
-    timeout_s: int = 1800             # collective timeout: longer than a node-local staging copy or a checkpoint write
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    stage: Literal["pretrain", "finetune"] = "pretrain"
-    dataset: str = "fashion_mnist"
-    backend: Literal["horovod", "ddp", "single"] = "horovod"
-    init: Literal["random", "pretrained"] = "random"   # finetune: start from the pretrain model
-    epochs: int = 3
-    batch_size: int = 64              # per rank; global batch = batch_size x world size
-    seed: int = 0
-    precision: Literal["auto", "fp32", "bf16"] = "auto"   # auto: bf16 autocast on GPU, fp32 on CPU
-    # channels_last memory format for model and inputs. auto: on GPU only; always: on CPU too (tests
-    # of the GPU path); never
-    channels_last: Literal["auto", "always", "never"] = "auto"
-    compile: bool = False             # torch.compile the model (honoured on CPU too)
-    deterministic: bool = True        # torch.use_deterministic_algorithms (CPU: bit-identical resume)
-    max_steps: int | None = None      # stop after this many optimizer steps (tests, benchmarks)
-    # optimizer steps between host-side checks of the stop conditions (signal received, non-finite
-    # loss): each check waits for the device and runs one small allreduce, so all ranks stop together
-    # at the same step. Periodic checkpoints and epoch ends are always checked.
-    check_every_steps: int = 20
-    freeze: int = 0                   # leading backbone modules kept frozen (models.backbone_stages)
-    transfer_stages: int | None = None  # init pretrained: load only the leading N backbone stages (None: all)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    horovod: HorovodConfig = field(default_factory=HorovodConfig)
-    ddp: DDPConfig = field(default_factory=DDPConfig)
-
-
-# --------------------------------------------------------------------------- data stages
-
-@dataclass(frozen=True)
-class DemoReleaseConfig:
-    n_images: int = 3000
-    image_size: int = 128
-    images_per_archive: int = 1000
-    test_fraction: float = 0.2
-    seed: int = 2017
+    def dataset(self, stage: str) -> str:
+        return self.pretrain_dataset if stage == "pretrain" else self.finetune_dataset
 
     @property
-    def n_archives(self) -> int:
-        """images_001.tar.gz ... images_<n>.tar.gz: the last archive may hold fewer images."""
-        return -(-self.n_images // self.images_per_archive)
+    def pretrained_used(self) -> bool:
+        """Some fine-tuning run starts from the pretraining model (the main run, or the ablation's)."""
+        return self.train["finetune"].init == "pretrained" or self.ablation.enabled
 
 
-@dataclass(frozen=True)
-class ShardConfig:
-    dataset: str = "nih_demo"
-    image_size: int = 64              # stored side in px (store e.g. 256 for 224 crops)
-    samples_per_shard: int = 1000
-    encoding: Literal["raw", "png"] = "raw"   # raw uint8 needs no decode when training
-    val_fraction: float = 0.1         # share of train(_val) patients carved out for validation
-    split_seed: int = 0
-    max_reject_fraction: float = 0.001
-    max_missing_fraction: float = 0.001   # full release: listed images found in no archive (else an error)
-    train_parts: int = 16             # imagenet only: shard jobs for the train archive (class ranges)
-    archives: tuple[int, ...] | None = None   # nih: the declared pilot subset (datasets.nih.archives)
+def stage_settings(config: Mapping[str, Any], stage: str, dataset: str, **overrides: Any) -> dict[str, Any]:
+    """What the rules hand ``chexflow train``: the stage's section over the shared ``training:``."""
+    return train_config.resolve(config.get("training"), config.get(stage), stage=stage, dataset=dataset,
+                                **overrides)
 
 
-@dataclass(frozen=True)
-class EvaluateConfig:
-    batch_size: int = 256
-    bootstrap_resamples: int = 1000
-    seed: int = 0
-    crop: int = 64
+def resolved_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.yaml with each stage's section resolved (what ran; the report shows it)."""
+    study = config.get("study") or {}
+    out = {k: v for k, v in config.items() if k != "training"}
+    for stage in STAGES:
+        settings = stage_settings(config, stage, study.get(f"{stage}_dataset"))
+        out[stage] = {k: v for k, v in settings.items() if k not in train_config.WORKFLOW_KEYS}
+    return out
 
 
-# --------------------------------------------------------------------------- studies around the main run
+# --------------------------------------------------------------------------- sections
 
-@dataclass(frozen=True)
-class ScalingConfig:
-    """Weak scaling of pretraining: the same per-rank workload at every world size."""
-    enabled: bool = False
-    world_sizes: tuple[int, ...] = (1, 2)   # ranks per job (SLURM: GPUs, see profiles/slurm)
-    steps_per_rank: int = 40          # optimizer steps per rank and epoch
-    epochs: int = 2                   # throughput is taken from the last epoch (the first warms up)
-    batch_size: int = 64              # per rank
-    arch: str = "resnet18"
-    crop: int = 32
+class _Problems:
+    """The problems found so far and the dotted keys they are about: a relation is checked only
+    between keys without a problem of their own, so that each bad value is reported once, by its key."""
 
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.bad: set[str] = set()
 
-@dataclass(frozen=True)
-class SweepOptimSpace:
-    lr: tuple[float, ...] = ()        # finetune.optim.lr
-    weight_decay: tuple[float, ...] = ()  # finetune.optim.weight_decay
+    def add(self, key: str, message: str) -> None:
+        self.items.append(message)
+        self.bad.add(key)
 
+    def build(self, cls: type, data: Any, key: str) -> Any:
+        n = len(self.items)
+        out = build(cls, data, key, self.items)
+        for message in self.items[n:]:          # each message starts with its dotted key
+            self.bad.add(re.sub(r"\[\d+\]", "", message.split(":", 1)[0]))
+        return out
 
-@dataclass(frozen=True)
-class SweepModelSpace:
-    dropout: tuple[float, ...] = ()   # finetune.model.dropout
-
-
-@dataclass(frozen=True)
-class SweepSpace:
-    """Values per fine-tuning key; an empty list keeps the finetune section's value."""
-    batch_size: tuple[int, ...] = ()  # finetune.batch_size
-    freeze: tuple[int, ...] = ()      # finetune.freeze
-    optim: SweepOptimSpace = field(default_factory=SweepOptimSpace)
-    model: SweepModelSpace = field(default_factory=SweepModelSpace)
+    def ok(self, *keys: str) -> bool:
+        """No problem with any of ``keys``, with a section holding one, or with a key inside one."""
+        return not any(b == k or b.startswith(k + ".") or k.startswith(b + ".") for b in self.bad for k in keys)
 
 
-@dataclass(frozen=True)
-class SweepConfig:
-    enabled: bool = False
-    method: Literal["grid", "random"] = "grid"
-    n_trials: int = 8                 # random: number of trials
-    seed: int = 0                     # random: sampling seed
-    space: SweepSpace = field(default_factory=SweepSpace)
+def _section(config: Mapping[str, Any], name: str, p: _Problems) -> dict:
+    value = config.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        p.add(name, f"{name}: expected a mapping, got {type(value).__name__}")
+        return {}
+    return dict(value)
 
 
-@dataclass(frozen=True)
-class AblationConfig:
-    enabled: bool = False             # also fine-tune from the other init, same budget
+def _without(section: Mapping[str, Any], excluded: tuple[str, ...], key: str, p: _Problems,
+             why: Callable[[str], str]) -> dict:
+    """``section`` without the dotted keys ``excluded`` (each one present is a problem, saying ``why``)."""
+    for dotted in excluded:
+        *parents, leaf = dotted.split(".")
+        node: Any = section
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and leaf in node:
+            p.add(key, f"{key}.{dotted}: not allowed here ({why(dotted)})")
+    return _drop(section, excluded)
 
 
-T = TypeVar("T")
+def _drop(section: Mapping[str, Any], excluded: tuple[str, ...]) -> dict:
+    out = {}
+    for k, v in section.items():
+        if k in excluded:
+            continue
+        inner = tuple(e.split(".", 1)[1] for e in excluded if e.startswith(k + "."))
+        out[k] = _drop(v, inner) if inner and isinstance(v, Mapping) else v
+    return out
 
 
-def _check_type(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _check_type(value, a, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{key}: unexpected value {value!r}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{key}: expected one of {list(allowed)}, got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (inner, _ellipsis) = typing.get_args(tp)
-        return tuple(_check_type(v, inner, f"{key}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, key)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    return value
+def _why_shard(dotted: str) -> str:
+    if dotted in _SHARD_SET_BY_WORKFLOW:
+        return "set by the workflow: the section's name, datasets.<name>.archives"
+    return "not a setting of this dataset"
 
 
-def from_dict(cls: type[T], data: Any, key: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types by name."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key or cls.__name__}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f"{key}." if key else ""
-        raise ConfigError(f"unknown key(s) {', '.join(where + u for u in unknown)}; "
-                          f"known: {', '.join(sorted(names))}")
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _check_type(value, hints[name], f"{key}.{name}" if key else name)
-    return cls(**kwargs)
+def _why_training(dotted: str) -> str:
+    return "training: says how training runs; what a stage trains goes under pretrain: / finetune:"
 
 
-def to_dict(obj: Any) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(obj)))
+def _why_stage(dotted: str) -> str:
+    if dotted in train_config.WORKFLOW_KEYS:
+        return "set by the workflow (study.<stage>_dataset)"
+    return "fine-tuning only: pretraining starts from random weights"
 
 
-def load_stage_config(cls: type[T], *, path: Path | None = None, text: str | None = None) -> T:
-    """Load a stage config from a YAML/JSON file or string (exactly one of them)."""
-    if (path is None) == (text is None):
-        raise ConfigError("give exactly one of a config file or a config string")
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from exc
-    try:
-        data = json.loads(text)          # what the rules pass (YAML 1.1 misreads e.g. 5e-05)
-    except json.JSONDecodeError:
-        data = None
-    try:
-        data = yaml.safe_load(text) if data is None else data
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path or 'config string'}: not valid YAML/JSON: {exc}") from exc
-    try:
-        return from_dict(cls, data)
-    except ConfigError as exc:
-        raise ConfigError(f"{path or 'config'}: {exc}") from exc
+def shard_keys_excluded(name: str) -> tuple[str, ...]:
+    """ShardConfig keys that ``shards.<name>`` cannot hold."""
+    options = registry.get(name).shard_options
+    specific = sorted({k for d in registry.DATASETS.values() for k in d.shard_options})   # some datasets' own
+    return _SHARD_SET_BY_WORKFLOW + tuple(k for k in specific if k not in options)
 
 
-def write_yaml_atomic(obj: Any, path: Path) -> None:
-    """Write ``obj`` (dataclass or mapping) as YAML, atomically."""
-    data = to_dict(obj) if dataclasses.is_dataclass(obj) else obj
-    write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
+def _study(config: Mapping[str, Any], p: _Problems) -> StudySection | None:
+    study = p.build(StudySection, _section(config, "study", p), "study")
+    for stage in STAGES:
+        name = getattr(study, f"{stage}_dataset", None)
+        allowed = [n for n, d in registry.DATASETS.items() if d.stage == stage]
+        if study is not None and name not in allowed:
+            p.add("study", f"study.{stage}_dataset: {name!r} is not one of {allowed}")
+    return study if p.ok("study") else None
+
+
+def _datasets(config: Mapping[str, Any], p: _Problems) -> dict[str, SourceConfig]:
+    sources = {}
+    for name, section in _section(config, "datasets", p).items():
+        key = f"datasets.{name}"
+        adapter = registry.DATASETS.get(name)
+        if adapter is None or adapter.generated:
+            known = [n for n, d in registry.DATASETS.items() if not d.generated]
+            p.add(key, f"{key}: not a downloaded dataset (those are: {', '.join(known)}; a generated "
+                       "release has its own section)")
+            continue
+        allowed = {"mirror", *adapter.source_options()}
+        for extra in sorted(set(section or {}) - allowed):
+            p.add(key, f"{key}.{extra}: not allowed here ({name} has {', '.join(sorted(allowed))})")
+        sources[name] = p.build(SourceConfig, {k: v for k, v in (section or {}).items() if k in allowed}, key)
+    return {n: s for n, s in sources.items() if s is not None}
+
+
+def _shards(config: Mapping[str, Any], sources: Mapping[str, SourceConfig], p: _Problems) -> dict[str, ShardConfig]:
+    out = {}
+    for name, section in _section(config, "shards", p).items():
+        key = f"shards.{name}"
+        adapter = registry.DATASETS.get(name)
+        if adapter is None:
+            p.add(key, f"{key}: unknown dataset; known: {', '.join(registry.NAMES)}")
+            continue
+        section = _without(section or {}, shard_keys_excluded(name), key, p, _why_shard)
+        source = sources.get(name)
+        pilot = {}
+        if "archives" in adapter.source_options() and source and p.ok(f"datasets.{name}.archives"):
+            pilot = {"archives": source.archives}
+        cfg = p.build(ShardConfig, {**section, "dataset": name, **pilot}, key)
+        if cfg is not None:
+            out[name] = cfg
+    return out
+
+
+def _releases(config: Mapping[str, Any], p: _Problems) -> dict[str, DemoReleaseConfig]:
+    out = {}
+    for name, adapter in registry.DATASETS.items():
+        if adapter.generated:
+            cfg = p.build(DemoReleaseConfig, _section(config, adapter.release_config, p), adapter.release_config)
+            if cfg is not None:
+                out[name] = cfg
+    return out
+
+
+def _training(config: Mapping[str, Any], study: StudySection | None, p: _Problems) -> dict[str, TrainConfig]:
+    """Each stage's TrainConfig; a problem names the section where the value was written."""
+    training = _without(_section(config, "training", p), train_config.training_keys_excluded(), "training", p,
+                        _why_training)
+    shared = p.build(TrainConfig, training, "training")
+    out = {}
+    for stage in STAGES:
+        section = _without(_section(config, stage, p), train_config.stage_keys_excluded(stage), stage, p, _why_stage)
+        if p.build(TrainConfig, section, stage) is None or shared is None or study is None:
+            continue
+        resolved = train_config.resolve(training, section, stage=stage, dataset=getattr(study, f"{stage}_dataset"))
+        # both parts are checked above: a problem here is one of theirs, already reported by its own key
+        out[stage] = build(TrainConfig, resolved, stage, [])
+    return out
+
+
+# --------------------------------------------------------------------------- relations
+
+def _crop_fits(key: str, crop: int, dataset: str, shards: Mapping[str, ShardConfig], p: _Problems) -> None:
+    stored = shards.get(dataset)
+    if stored is None:
+        p.add(f"shards.{dataset}", f"shards.{dataset}: missing (the data of {key.split('.')[0]})")
+    elif p.ok(key, f"shards.{dataset}.image_size") and crop > stored.image_size:
+        p.add(key, f"{key}: {crop} is not <= shards.{dataset}.image_size ({stored.image_size}): a crop larger "
+                   "than the stored images would be upsampled")
+
+
+def _stage_ok(stage: str, p: _Problems) -> bool:
+    """The keys train_config.check relates have no problem (written under the stage or training:)."""
+    return p.ok(*(f"{where}.{k}" for k in train_config.RELATED_KEYS for where in (stage, "training")))
+
+
+def _train_relations(s: Study, p: _Problems) -> None:
+    for stage, cfg in s.train.items():
+        _crop_fits(f"{stage}.data.crop", cfg.data.crop, s.dataset(stage), s.shards, p)
+        if _stage_ok(stage, p):
+            for message in train_config.check(cfg, stage):
+                p.add(stage, message)
+    fine, pre = s.train.get("finetune"), s.train.get("pretrain")
+    if fine is None:
+        return
+    if (pre is not None and s.pretrained_used and fine.model.arch != pre.model.arch
+            and p.ok("finetune.model.arch", "pretrain.model.arch", "finetune.init", "ablation.enabled")):
+        p.add("finetune.model.arch", f"finetune.model.arch: {fine.model.arch!r} is not pretrain.model.arch "
+                                     f"({pre.model.arch!r}): fine-tuning from the pretraining model loads its "
+                                     "backbone tensor by tensor")
+    if s.ablation.enabled and fine.init == "random" and _stage_ok("finetune", p):
+        # the ablation fine-tunes the same section from the pretraining model
+        for message in train_config.check(dataclasses.replace(fine, init="pretrained"), "finetune"):
+            p.add("finetune", message)
+    counts = {k: v for k, v in (("finetune.freeze", fine.freeze), ("finetune.transfer_stages", fine.transfer_stages))
+              if v is not None and p.ok(k)}
+    if s.sweep.enabled and p.ok("sweep.space.freeze"):
+        counts.update({f"sweep.space.freeze[{i}]": v for i, v in enumerate(s.sweep.space.freeze)})
+    if any(counts.values()) and p.ok("finetune.model.arch"):   # only then is torchvision imported
+        for message in train_config.check_stages_fit(fine.model.arch, counts):
+            p.add("finetune.model.arch", message)
+
+
+def _data_relations(s: Study, p: _Problems) -> None:
+    for name, release in s.releases.items():
+        stored = s.shards.get(name)
+        section = registry.get(name).release_config
+        if (stored is not None and p.ok(f"shards.{name}.image_size", f"{section}.image_size")
+                and stored.image_size > release.image_size):
+            p.add(f"shards.{name}.image_size", f"shards.{name}.image_size: {stored.image_size} is not <= "
+                  f"{section}.image_size ({release.image_size}): the shards would upsample the generated images")
+    for name in s.shards:
+        release = s.releases.get(name)
+        if p.ok(f"shards.{name}", f"datasets.{name}", registry.get(name).release_config or name):
+            try:       # the shard jobs can be planned (e.g. a pilot's archive numbers exist)
+                registry.get(name).parts(s.shards[name], release.n_archives if release else None)
+            except ShardError as exc:
+                p.add(f"datasets.{name}", str(exc))
+            for message in registry.get(name).check_settings(s.shards[name]):
+                p.add(f"shards.{name}", message)
+
+
+def _study_relations(s: Study, p: _Problems) -> None:
+    bands = list(s.evaluate.age_bands)
+    if not bands or bands != sorted(bands):
+        p.add("evaluate.age_bands", f"evaluate.age_bands: {bands} is not a non-empty ascending list of ages")
+    if s.ablation.seeds is not None and not s.ablation.seeds:
+        p.add("ablation.seeds", "ablation.seeds: [] lists no seed (null: the finetune section's one seed)")
+    if s.scaling.enabled:
+        _crop_fits("scaling.crop", s.scaling.crop, s.pretrain_dataset, s.shards, p)
+    if s.sweep.enabled and p.ok("sweep") and "finetune" in s.train and _stage_ok("finetune", p):
+        for message in _sweep_trials(s):
+            p.add("sweep", message)
+    if s.predict.enabled and not s.predict.modalities:
+        p.add("predict.modalities", "predict.modalities: [] would refuse every DICOM file; name the accepted "
+                                    "modalities (e.g. [CR, DX, DR])")
+
+
+def _sweep_trials(s: Study) -> list[str]:
+    """Every trial of the sweep is a valid fine-tuning config (the relations included)."""
+    from chexflow.studies.sweep import apply_params, expand_trials
+    base = to_dict(s.train["finetune"])
+    problems: list[str] = []
+    for trial in expand_trials(s.sweep):
+        where = f"sweep trial {trial['id']} {json.dumps(trial['params'])}"
+        found: list[str] = []
+        cfg = build(TrainConfig, apply_params(base, trial["params"]), "finetune", found)
+        if cfg is not None and not found:
+            found = train_config.check(cfg, "finetune")
+        problems += [f"{where}: {m}" for m in found]
+    return list(dict.fromkeys(problems))
+
+
+# --------------------------------------------------------------------------- the check
+
+def check_study(config: MutableMapping[str, Any]) -> Study:
+    """config.yaml (a mapping) checked as a whole; ``ConfigError`` lists every problem found.
+
+    A number written so that YAML 1.1 reads a string (``lr: 1e-3``) is taken as the number (a log
+    line says so) and replaced in ``config`` too, so the rules hand the number on."""
+    normalize_numbers(config, study_schema())
+    p = _Problems()
+    known = {"study", "datasets", "shards", "training", *STAGES, *STUDY_SECTIONS,
+             *(d.release_config for d in registry.DATASETS.values() if d.generated)}
+    for name in sorted(set(config) - known):
+        p.add(name, f"{name}: unknown section; known: {', '.join(sorted(known))}")
+    for name in REQUIRED:
+        if name not in config:
+            p.add(name, f"{name}: missing section")
+    study = _study(config, p)
+    sources = _datasets(config, p)
+    releases = _releases(config, p)
+    shards = _shards(config, sources, p)
+    train = {k: v for k, v in _training(config, study, p).items() if v is not None}
+    sections = {name: p.build(cls, _section(config, name, p), name) for name, cls in STUDY_SECTIONS.items()}
+    if study is not None and all(v is not None for v in sections.values()):    # (None: not a mapping)
+        s = Study(pretrain_dataset=study.pretrain_dataset, finetune_dataset=study.finetune_dataset,
+                  sources=sources, releases=releases, shards=shards, train=train, **sections)
+        _train_relations(s, p)
+        _data_relations(s, p)
+        _study_relations(s, p)
+    if p.items:
+        raise ConfigError(list(dict.fromkeys(p.items)))
+    return s      # (no problem: every section was built)
 
 
 # --------------------------------------------------------------------------- JSON schema of config.yaml
 
-def _schema_of(tp: Any) -> dict:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        inner = _schema_of(args[0])
-        t = inner.get("type")
-        return {**inner, "type": [t, "null"]} if isinstance(t, str) else {"anyOf": [inner, {"type": "null"}]}
-    if origin is Literal:
-        return {"enum": list(typing.get_args(tp))}
-    if origin is tuple:
-        return {"type": "array", "items": _schema_of(typing.get_args(tp)[0])}
-    if dataclasses.is_dataclass(tp):
-        return dataclass_schema(tp)
-    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
-            str: {"type": "string"}}.get(tp, {})
-
-
-def dataclass_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict:
-    hints = typing.get_type_hints(cls)
-    props = {f.name: _schema_of(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in exclude}
-    return {"type": "object", "additionalProperties": False, "properties": props}
-
-
-# ShardConfig fields that only some datasets have (``Dataset.shard_options``); ``archives`` is set
-# through datasets.<name>.archives, never under shards:
-_DATASET_SHARD_KEYS = ("dataset", "train_parts", "archives")
-
-
 def study_schema() -> dict:
     """The JSON schema of config.yaml (kept in sync with the dataclasses by a test); the datasets,
     their stages and their own keys come from ``chexflow.data.registry``."""
-    from chexflow.data.registry import DATASETS   # imports the dataset modules, which import this one
-    train = dataclass_schema(TrainConfig, exclude=("stage", "dataset"))
+    DATASETS = registry.DATASETS
     datasets = {name: {"type": "object", "additionalProperties": False,
                        "properties": {"mirror": {"type": ["string", "null"]}, **d.source_options()}}
-                for name, d in DATASETS.items()}
-    shards = {name: dataclass_schema(ShardConfig, exclude=tuple(k for k in _DATASET_SHARD_KEYS
-                                                                if k not in d.shard_options))
-              for name, d in DATASETS.items()}
-    stage_enum = {stage: {"enum": [n for n, d in DATASETS.items() if d.stage == stage]}
-                  for stage in ("pretrain", "finetune")}
+                for name, d in DATASETS.items() if not d.generated}
+    shards = {name: dataclass_schema(ShardConfig, exclude=shard_keys_excluded(name)) for name in DATASETS}
+    stage_enum = {stage: {"enum": [n for n, d in DATASETS.items() if d.stage == stage]} for stage in STAGES}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "description": "chexflow config.yaml (generated from chexflow.config: `python -m chexflow.config`)",
         "type": "object", "additionalProperties": False,
-        "required": ["study", "datasets", "shards", "pretrain", "finetune", "evaluate"],
+        "required": list(REQUIRED),
         "properties": {
             "study": {"type": "object", "additionalProperties": False,
                       "required": ["pretrain_dataset", "finetune_dataset"],
-                      "properties": {"name": {"type": "string"},
-                                     "pretrain_dataset": stage_enum["pretrain"],
-                                     "finetune_dataset": stage_enum["finetune"]}},
+                      "properties": {f"{stage}_dataset": stage_enum[stage] for stage in STAGES}},
             "datasets": {"type": "object", "additionalProperties": False, "properties": datasets},
-            **{d.release_config: dataclass_schema(DemoReleaseConfig)
-               for d in DATASETS.values() if d.release_config},
+            **{d.release_config: dataclass_schema(DemoReleaseConfig) for d in DATASETS.values() if d.generated},
             "shards": {"type": "object", "additionalProperties": False, "properties": shards},
-            "pretrain": train,
-            "finetune": train,
-            "evaluate": dataclass_schema(EvaluateConfig),
-            "scaling": dataclass_schema(ScalingConfig),
-            "sweep": dataclass_schema(SweepConfig),
-            "ablation": dataclass_schema(AblationConfig),
+            "training": dataclass_schema(TrainConfig, exclude=train_config.training_keys_excluded()),
+            **{stage: dataclass_schema(TrainConfig, exclude=train_config.stage_keys_excluded(stage))
+               for stage in STAGES},
+            **{name: dataclass_schema(cls) for name, cls in STUDY_SECTIONS.items()},
         },
     }
 

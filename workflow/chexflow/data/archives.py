@@ -12,13 +12,17 @@ class ArchiveError(RuntimeError):
     """An image archive is truncated, corrupt or not a gzip-compressed tar; names the archive."""
 
 
-def safe_members(tar: tarfile.TarFile, report: Callable[[str, str], None]) -> Iterator[tarfile.TarInfo]:
+def safe_members(tar: tarfile.TarFile, report: Callable[[str, str], None], *,
+                 max_bytes: int | None = None) -> Iterator[tarfile.TarInfo]:
     """The regular-file members of ``tar`` (read in order) that are safe to read.
 
     Every member first passes ``tarfile.data_filter`` (the 'data' extraction filter: ``..``, links
     pointing outside, device files are rejected); absolute names (which the filter would merely
     strip) are rejected too, and only regular files are yielded (no symlinks or hard links at
-    all). Rejected members go to ``report(member_name, reason)``; directories are skipped silently.
+    all). ``max_bytes``: a member whose header declares more bytes (for a sparse member: its
+    expanded size) is rejected from its header alone; tarfile then skips its data in bounded
+    reads, so an oversize member never sits in memory. Rejected members go to
+    ``report(member_name, reason)``; directories are skipped silently.
     """
     for member in tar:
         if member.name.startswith(("/", "\\")) or os.path.isabs(member.name):
@@ -33,6 +37,9 @@ def safe_members(tar: tarfile.TarFile, report: Callable[[str, str], None]) -> It
             continue
         if not member.isfile():
             report(member.name, "not a regular file (links and special files are not read)")
+            continue
+        if max_bytes is not None and member.size > max_bytes:
+            report(member.name, f"{member.size:,} bytes, more than the {max_bytes:,} allowed (max_member_mb); not read")
             continue
         yield member
 

@@ -18,15 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data.sources import RemoteFile, Source
 
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-# (image key, patient, split, target, encoded image) of one sample; ``decode`` turns the last into pixels
-RawSample = tuple[str, str, str, "np.ndarray", object]
+# (image key, patient, split, target, encoded image, origin) of one sample; ``decode`` turns the encoded
+# image into pixels; the origin names the file (and archive member) it came from, for messages
+RawSample = tuple[str, str, str, "np.ndarray", object, str]
 Report = Callable[[str, str], None]   # report(member or image name, reason): the part's rejects
 
 
@@ -70,10 +71,6 @@ class Dataset:
         release's archive count, where it has one)."""
         raise NotImplementedError
 
-    def source_in(self, raw_dir: Path) -> Source:
-        """The source as downloaded to ``raw_dir`` (a generated release: as many archives as are there)."""
-        return self.source()
-
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
         """The shard jobs, one per source archive (or range of one); errors are ``ShardError``."""
         raise NotImplementedError
@@ -85,6 +82,21 @@ class Dataset:
     def split_files(self, source: Source) -> list[RemoteFile]:
         """The files of ``source`` the split reads: those with a role in ``split_roles``."""
         return [f for f in source.files if f.role in self.split_roles]
+
+    def check_settings(self, cfg: ShardConfig) -> list[str]:
+        """Problems of ``shards.<name>`` that only this dataset has (each naming its dotted key):
+        ``chexflow.config.check_study`` reports them before any job runs."""
+        return []
+    def evaluation_files(self, source: Source, boxes: bool = True) -> dict[str, RemoteFile]:
+        """The files of ``source`` evaluation reads besides the shards, by use: ``label_table`` (the
+        subgroups' fields), ``boxes`` (reference boxes of findings, unless ``boxes`` is False:
+        ``datasets.<name>.boxes``)."""
+        return {}
+
+    def box_frame(self) -> int | None:
+        """The side (px) of the square images the box list's coordinates refer to (None: no box list, or a
+        generated release, whose frame is its own image size)."""
+        return None
 
     # ------------------------------------------------------------------ reading (shard stage)
     def info(self, raw_dir: Path | None = None) -> DatasetInfo:
@@ -99,10 +111,12 @@ class Dataset:
     def samples(self, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
                 report: Report) -> Iterator[RawSample]:
         """The samples of ``part`` in a deterministic order, not yet decoded; members that are
-        unsafe or not in the split table go to ``report``."""
+        unsafe, larger than ``cfg.max_member_mb`` (never read) or not in the split table go to
+        ``report``. A key may come once per dataset (the shard stage checks it)."""
         raise NotImplementedError
 
-    def decode(self, data: object, key: str, size: int) -> np.ndarray:
-        """uint8 ``size x size`` grey pixels of one sample (``images.DecodeError`` if unreadable)."""
+    def decode(self, data: object, key: str, cfg: ShardConfig) -> np.ndarray:
+        """uint8 ``cfg.image_size`` square grey pixels of one sample (``images.DecodeError`` if it
+        does not decode completely or declares more than ``cfg.max_image_megapixels``)."""
         raise NotImplementedError
 

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import images
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source
@@ -141,11 +141,12 @@ class FashionMNIST(Dataset):
         split_of = dict(zip(splits["image"], splits["split"]))
         patient_of = dict(zip(splits["image"], splits["patient"]))
         imgs, labels = read_part(raw_dir, part)
-        for key, img, lbl in zip(image_names(part, len(imgs)), imgs, labels):
-            yield key, str(patient_of[key]), split_of[key], np.int64(lbl), img
+        images_file = PARTS[part][0]
+        for i, (key, img, lbl) in enumerate(zip(image_names(part, len(imgs)), imgs, labels)):
+            yield key, str(patient_of[key]), split_of[key], np.int64(lbl), img, f"{images_file}[{i}]"
 
-    def decode(self, data: np.ndarray, key: str, size: int) -> np.ndarray:
-        return images.resize_square(data, size)
+    def decode(self, data: np.ndarray, key: str, cfg: ShardConfig) -> np.ndarray:
+        return images.resize_square(data, cfg.image_size)
 
 
 ADAPTER = FashionMNIST()

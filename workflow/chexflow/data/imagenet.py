@@ -48,7 +48,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import archives, images
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source
@@ -61,6 +61,8 @@ VAL_GROUND_TRUTH = "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_trut
 _IMAGE_EXT = (".jpeg", ".jpg")
 VAL_PART = "val"
 MAX_TRAIN_PARTS = 1000   # train_000 .. train_999: at most one part per class
+# the devkit's files are read whole: meta.mat and the val ground truth are well under 1 MB each
+_DEVKIT_MEMBER_BYTES = 16_000_000
 _TRAIN_PART = re.compile(r"train_(\d{3})")
 
 
@@ -170,7 +172,8 @@ def read_devkit(path: Path | str) -> Devkit:
     unsafe: list[str] = []
     try:
         with tarfile.open(path, mode="r:gz") as tar:
-            for member in archives.safe_members(tar, lambda name, why: unsafe.append(f"{name}: {why}")):
+            for member in archives.safe_members(tar, lambda name, why: unsafe.append(f"{name}: {why}"),
+                                                max_bytes=_DEVKIT_MEMBER_BYTES):
                 name = member.name[2:] if member.name.startswith("./") else member.name
                 if name in wanted:
                     fh = tar.extractfile(member)
@@ -212,26 +215,30 @@ def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
 
 
 def _class_stream(outer: tarfile.TarFile, member: tarfile.TarInfo, wnid: str, where: str,
-                  report: Callable[[str, str], None]) -> Iterator[tuple[str, str, bytes]]:
-    """(wnid, image name, bytes) of one per-class tar, streamed from inside the outer tar."""
+                  report: Callable[[str, str], None], max_member_bytes: int | None
+                  ) -> Iterator[tuple[str, str, bytes, str]]:
+    """(wnid, image name, bytes, member path) of one per-class tar, streamed from inside the outer tar."""
     fh = outer.extractfile(member)
     try:
         with tarfile.open(fileobj=fh, mode="r|") as inner:
-            for m in archives.safe_members(inner, lambda name, why: report(f"{member.name}/{name}", why)):
+            for m in archives.safe_members(inner, lambda name, why: report(f"{member.name}/{name}", why),
+                                           max_bytes=max_member_bytes):
                 if _is_image(m.name):
-                    yield wnid, archives.posix_basename(m.name), _read_member(inner, m)
+                    yield wnid, archives.posix_basename(m.name), _read_member(inner, m), f"{member.name}/{m.name}"
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise archives.ArchiveError(f"{where}: per-class tar {member.name} is truncated or corrupt "
                                f"({type(exc).__name__}: {exc})") from exc
 
 
 def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
-                    on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, str, bytes]]:
-    """(wnid, image name, bytes) of the images of ``classes`` in the train archive, interleaved.
+                    on_skip: Callable[[str, str], None], max_member_bytes: int | None = None
+                    ) -> Iterator[tuple[str, str, bytes, str]]:
+    """(wnid, image name, bytes, member path) of the images of ``classes`` in the train archive, interleaved.
 
     The per-class tars are streamed side by side; each next image comes from a class drawn
     uniformly among those not yet exhausted by ``numpy.random.default_rng(seed)``, so the order
-    is the same on every run (a part that crashed resumes). Unsafe members go to ``on_skip``.
+    is the same on every run (a part that crashed resumes). Unsafe members, and images of more
+    than ``max_member_bytes`` (skipped unread), go to ``on_skip``.
     """
     path = Path(path)
     if not path.is_file():
@@ -247,7 +254,7 @@ def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
             if missing:
                 raise ImageNetError(f"{path}: no per-class tar for {len(missing)} class(es) of the devkit, "
                                     f"e.g. {[w + '.tar' for w in missing[:5]]}")
-            streams = [_class_stream(outer, members[w], w, str(path), on_skip) for w in classes]
+            streams = [_class_stream(outer, members[w], w, str(path), on_skip, max_member_bytes) for w in classes]
             rng = np.random.default_rng(seed)
             while streams:
                 i = int(rng.integers(len(streams)))
@@ -261,16 +268,18 @@ def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
         raise archives.ArchiveError(f"{path}: cannot read archive ({exc})") from exc
 
 
-def iter_val(path: Path | str, *, on_skip: Callable[[str, str], None]) -> Iterator[tuple[str, bytes]]:
-    """(image name, bytes) of the val archive, streamed in archive order."""
+def iter_val(path: Path | str, *, on_skip: Callable[[str, str], None],
+             max_member_bytes: int | None = None) -> Iterator[tuple[str, bytes, str]]:
+    """(image name, bytes, member path) of the val archive, streamed in archive order (images of more
+    than ``max_member_bytes`` are skipped unread and go to ``on_skip``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: ImageNet val archive not found")
     try:
         with tarfile.open(path, mode="r|") as tar:
-            for m in archives.safe_members(tar, on_skip):
+            for m in archives.safe_members(tar, on_skip, max_bytes=max_member_bytes):
                 if _is_image(m.name):
-                    yield archives.posix_basename(m.name), _read_member(tar, m)
+                    yield archives.posix_basename(m.name), _read_member(tar, m), m.name
     except (tarfile.TarError, EOFError, zlib.error) as exc:
         raise archives.ArchiveError(f"{path}: truncated or corrupt archive ({type(exc).__name__}: {exc})") from exc
     except OSError as exc:
@@ -283,35 +292,39 @@ def val_split_rows(devkit: Devkit) -> list[str]:
 
 
 def iter_part(raw_dir: Path | str, part: str, *, train_parts: int, devkit: Devkit,
-              val_images: set[str], report: Callable[[str, str], None]
-              ) -> Iterator[tuple[str, str, np.int64, bytes]]:
-    """(image name, split, class index, bytes) of one part, in a deterministic order.
+              val_images: set[str], report: Callable[[str, str], None], max_member_bytes: int | None = None
+              ) -> Iterator[tuple[str, str, np.int64, bytes, str]]:
+    """(image name, split, class index, bytes, origin) of one part, in a deterministic order; the
+    origin names the archive and the member (``ILSVRC2012_img_val.tar:ILSVRC2012_val_00000001.JPEG``).
 
     ``val_images``: the val rows of ``splits.csv``; a val archive image not among them is reported
-    (``report(name, reason)``) and left out, as are unsafe archive members.
+    (``report(name, reason)``) and left out, as are unsafe archive members and images of more than
+    ``max_member_bytes`` (skipped unread).
     """
     raw_dir = Path(raw_dir)
     index = devkit.class_index()
     if part == VAL_PART:
         val_label = dict(zip(val_split_rows(devkit), devkit.val_wnids))
-        for name, data in iter_val(raw_dir / VAL_TAR, on_skip=report):
+        for name, data, member in iter_val(raw_dir / VAL_TAR, on_skip=report, max_member_bytes=max_member_bytes):
             if name not in val_images or name not in val_label:
-                report(name, "not in the devkit's val ground truth / splits.csv")
+                report(member, "not in the devkit's val ground truth / splits.csv")
                 continue
-            yield name, "val", np.int64(index[val_label[name]]), data
+            yield name, "val", np.int64(index[val_label[name]]), data, f"{VAL_TAR}:{member}"
         return
     classes = train_part_classes(part, train_parts, devkit.wnids)
     seed = int(part.rsplit("_", 1)[1])
-    for wnid, name, data in iter_train_part(raw_dir / TRAIN_TAR, classes, seed=seed, on_skip=report):
-        yield name, "train", np.int64(index[wnid]), data
+    for wnid, name, data, member in iter_train_part(raw_dir / TRAIN_TAR, classes, seed=seed, on_skip=report,
+                                                    max_member_bytes=max_member_bytes):
+        yield name, "train", np.int64(index[wnid]), data, f"{TRAIN_TAR}:{member}"
 
 
-def decode(data: bytes, *, name: str, size: int) -> np.ndarray:
-    """JPEG (or whatever PIL reads) -> uint8 ``size x size`` grey: central square, resized.
+def decode(data: bytes, *, name: str, size: int, max_pixels: int | None = None) -> np.ndarray:
+    """JPEG (or PNG) -> uint8 ``size x size`` grey: central square, resized.
 
-    Raises ``images.DecodeError`` naming the image when it cannot be decoded.
+    Raises ``images.DecodeError`` naming the image when it cannot be decoded completely, or its
+    header declares more than ``max_pixels``.
     """
-    return images.resize_square(images.decode_grey(data, name=name, draft=size), size)
+    return images.resize_square(images.decode_grey(data, name=name, draft=size, max_pixels=max_pixels), size)
 
 
 # --------------------------------------------------------------------------- the adapter (chexflow.data.registry)
@@ -323,13 +336,19 @@ class ImageNet(Dataset):
     name: str = "imagenet"
     stage: str = "pretrain"
     split_roles: tuple[str, ...] = ("devkit",)   # the val ground truth
-    shard_options: tuple[str, ...] = ("train_parts",)
+    shard_options: tuple[str, ...] = ("train_parts", "max_member_mb", "max_image_megapixels")
 
     def source(self, n_archives: int | None = None) -> Source:
         return source()
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
         return part_names(cfg.train_parts)
+
+    def check_settings(self, cfg: ShardConfig) -> list[str]:
+        if cfg.val_fraction != 0:
+            return [f"shards.imagenet.val_fraction: {cfg.val_fraction} is not 0: the validation split is the "
+                    "official ILSVRC2012 val set"]
+        return []
 
     def part_files(self, source: Source, part: str) -> list[RemoteFile]:
         archive = VAL_TAR if part == VAL_PART else TRAIN_TAR
@@ -345,9 +364,9 @@ class ImageNet(Dataset):
     def split(self, raw_dir: Path, cfg: ShardConfig, *, expected: object = None) -> pd.DataFrame:
         """Fixed: the official val set is "val"; every train-archive image is "train" and is not
         listed (listing 1.28M names would mean reading all 1000 per-class tars here)."""
-        if cfg.val_fraction != 0:
-            raise ShardError(f"imagenet: val_fraction must be 0 (got {cfg.val_fraction}): the validation "
-                             "split is the official ILSVRC2012 val set")
+        problems = self.check_settings(cfg)
+        if problems:
+            raise ShardError(problems[0])
         names = val_split_rows(read_devkit(Path(raw_dir) / DEVKIT))
         return pd.DataFrame({"image": names, "patient": names, "split": "val"})
 
@@ -356,12 +375,13 @@ class ImageNet(Dataset):
         """Each image is its own "patient" (train images are not in the split table)."""
         devkit = read_devkit(Path(raw_dir) / DEVKIT)
         val_images = set(splits["image"][splits["split"] == "val"])
-        for key, split, target, data in iter_part(raw_dir, part, train_parts=cfg.train_parts, devkit=devkit,
-                                                  val_images=val_images, report=report):
-            yield key, key, split, target, data
+        for key, split, target, data, origin in iter_part(raw_dir, part, train_parts=cfg.train_parts, devkit=devkit,
+                                                          val_images=val_images, report=report,
+                                                          max_member_bytes=images.million(cfg.max_member_mb)):
+            yield key, key, split, target, data, origin
 
-    def decode(self, data: bytes, key: str, size: int) -> np.ndarray:
-        return decode(data, name=key, size=size)
+    def decode(self, data: bytes, key: str, cfg: ShardConfig) -> np.ndarray:
+        return decode(data, name=key, size=cfg.image_size, max_pixels=images.million(cfg.max_image_megapixels))
 
 
 ADAPTER = ImageNet()

@@ -26,8 +26,8 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from chexflow.config import AugmentConfig
 from chexflow.data import workers as _workers
+from chexflow.data.config import AugmentConfig
 from chexflow.fsutil import atomic_path
 
 
@@ -456,8 +456,13 @@ def make_loader(stream: ShardStream, *, batch_size: int, workers: int, pin_memor
 
 # --------------------------------------------------------------------------- GPU-side augmentation
 
+# The network's input normalisation, (pixel / 255 - MEAN) / STD: here once, read by gpu_augment and by
+# the exports' metadata (chexflow.predict), which must tell a serving stack the same numbers.
+MEAN, STD = 0.5, 0.25
+
+
 def gpu_augment(images: torch.Tensor, *, out_size: int, train: bool, cfg: AugmentConfig,
-                generator: torch.Generator | None, mean: float = 0.5, std: float = 0.25) -> torch.Tensor:
+                generator: torch.Generator | None, mean: float = MEAN, std: float = STD) -> torch.Tensor:
     """uint8 [B,H,W] on the device -> normalised float [B,1,S,S].
 
     Training: a random resized crop (area in [scale_min, 1], aspect 3/4..4/3), optional flip and

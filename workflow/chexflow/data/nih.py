@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from chexflow.config import ShardConfig
+from chexflow.data.config import ShardConfig
 from chexflow.data import images
 from chexflow.data.archives import ArchiveError, posix_basename, safe_members
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
@@ -40,6 +40,14 @@ CSV_COLUMNS: tuple[str, ...] = (
     "View Position", "OriginalImage[Width", "Height]", "OriginalImagePixelSpacing[x", "y]",
 )
 REQUIRED_COLUMNS: tuple[str, ...] = ("Image Index", "Finding Labels", "Patient ID")
+# The release's bounding boxes (BBox_List_2017.csv: 984 boxes of 880 images, 8 findings), in pixels
+# of the release's PNGs, which are all PNG_SIDE x PNG_SIDE (README_CHESTXRAY.pdf); the file spells
+# Infiltration "Infiltrate". Header: Image Index, Finding Label, Bbox [x, y, w, h] over four columns,
+# then three empty ones.
+BOX_LIST_NAME = "BBox_List_2017.csv"
+BOX_HEADER = ("Image Index", "Finding Label", "Bbox [x", "y", "w", "h]", "", "", "")
+BOX_SPELLING = {"Infiltration": "Infiltrate"}
+PNG_SIDE = 1024
 SPLIT_SOURCE = ("official NIH split lists: test = test_list.txt; train and val = train_val_list.txt, "
                 "val carved out by patient (seeded)")
 
@@ -120,6 +128,11 @@ def _check_n_archives(source: str, n_archives: int | None, maximum: int | None) 
     return n_archives
 
 
+def _box_list() -> RemoteFile:
+    """The box list: optional (datasets.nih.boxes), sha256 recorded on first download like the tables."""
+    return RemoteFile(BOX_LIST_NAME, None, role="boxes")
+
+
 def release_source(n_archives: int | None) -> Source:
     if n_archives is not None:
         raise ValueError(f"source 'nih' always has its {NIH_N_ARCHIVES} archives; a pilot on part of the "
@@ -128,15 +141,17 @@ def release_source(n_archives: int | None) -> Source:
         RemoteFile(archive_name(i), f"https://nihcc.box.com/shared/static/{box_id}.gz", md5=md5, role="archive")
         for i, (box_id, md5) in enumerate(_NIH_ARCHIVES, start=1))
     return Source(name="nih", title="NIH ChestX-ray14 (NIH Clinical Center)",
-                  files=archives + _nih_tables(), how_to_obtain=_NIH_HOW)
+                  files=archives + _nih_tables() + (_box_list(),), how_to_obtain=_NIH_HOW)
 
 
-def demo_source(n_archives: int | None, name: str = "nih_demo") -> Source:
+def demo_source(n_archives: int | None, name: str = "nih_demo", *, boxes: bool = True) -> Source:
+    """A generated release's files (``boxes``: with its box list; a pretraining corpus has none)."""
     n = _check_n_archives(name, n_archives, None)
     archives = tuple(RemoteFile(archive_name(i), None, role="archive") for i in range(1, n + 1))
     return Source(
         name=name, title="Synthetic phantom release in the NIH ChestX-ray14 layout",
-        files=archives + _nih_tables(), checksums_file="SHA256SUMS", synthetic=True,
+        files=archives + _nih_tables() + ((_box_list(),) if boxes else ()), checksums_file="SHA256SUMS",
+        synthetic=True,
         how_to_obtain="The phantom release is generated locally (chexflow.data.phantoms); "
                       "pass the directory it was written to as the mirror.")
 
@@ -287,6 +302,55 @@ def verify_tables(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence
                        f"train_val_list.txt, test_list.txt): " + "; ".join(problems))
 
 
+# --------------------------------------------------------------------------- bounding boxes
+
+def write_box_list(path: Path | str, boxes: Sequence[tuple[str, str, float, float, float, float]]) -> None:
+    """``BBox_List_2017.csv`` in the release's layout from (image, label, x, y, w, h) rows (chexflow's
+    label spellings; written with the file's own, e.g. Infiltrate)."""
+    from chexflow.fsutil import write_bytes_atomic
+    lines = [",".join(BOX_HEADER)]
+    for image, label, x, y, w, h in boxes:
+        if label not in LABELS:
+            raise NIHError(f"{path}: unknown finding {label!r} for a box")
+        lines.append(f"{image},{BOX_SPELLING.get(label, label)},{x:.6g},{y:.6g},{w:.6g},{h:.6g},,,")
+    write_bytes_atomic(Path(path), ("\n".join(lines) + "\n").encode())
+
+
+def read_box_list(path: Path | str, *, frame: int = PNG_SIDE) -> pd.DataFrame:
+    """The release's box list as rows ``image, label, x, y, w, h`` (chexflow's label spellings), boxes
+    in pixels of a ``frame`` x ``frame`` image. An untrusted file: a missing column, an unknown
+    finding, a non-finite or non-positive size, or a box outside the frame fails naming the row."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: box list not found")
+    try:
+        raw = pd.read_csv(path, dtype=str, keep_default_na=False, header=0)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise NIHError(f"{path}: cannot read the box list ({exc})") from exc
+    cols = [c.strip() for c in raw.columns]
+    if len(cols) < 6 or tuple(cols[:6]) != BOX_HEADER[:6]:
+        raise NIHError(f"{path}: expected the columns {list(BOX_HEADER[:6])}, found {cols[:6]}")
+    raw = raw.iloc[:, :6].set_axis(["image", "label", "x", "y", "w", "h"], axis=1)
+    spelled = {v: k for k, v in BOX_SPELLING.items()}
+    raw["label"] = raw["label"].str.strip().map(lambda v: spelled.get(v, v))
+    unknown = sorted(set(raw["label"]) - set(LABELS))
+    if unknown:
+        raise NIHError(f"{path}: unknown finding(s) {unknown}; known: {list(LABELS)} (Infiltrate for Infiltration)")
+    nums = raw[["x", "y", "w", "h"]].apply(pd.to_numeric, errors="coerce")
+    bad = ~np.isfinite(nums.to_numpy(float)).all(axis=1) | (nums["w"] <= 0).to_numpy() | (nums["h"] <= 0).to_numpy()
+    outside = ((nums["x"] < 0) | (nums["y"] < 0) | (nums["x"] + nums["w"] > frame * 1.001)
+               | (nums["y"] + nums["h"] > frame * 1.001)).to_numpy()
+    for problem, rows in (("not a box (non-numeric, or width/height <= 0)", bad),
+                          (f"outside the {frame} x {frame} px image", outside & ~bad)):
+        if rows.any():
+            i = int(np.flatnonzero(rows)[0])
+            raise NIHError(f"{path}: row {i + 2} ({raw['image'].iloc[i]}, {raw['label'].iloc[i]}): {problem}; "
+                           f"{int(rows.sum())} such row(s)")
+    if (raw["image"].str.strip() == "").any():
+        raise NIHError(f"{path}: empty 'Image Index' in row {int(np.flatnonzero(raw['image'].str.strip() == '')[0]) + 2}")
+    return pd.concat([raw[["image", "label"]], nums.astype(float)], axis=1)
+
+
 # --------------------------------------------------------------------------- archives
 
 _TAR_READ_BYTES = 1 << 20
@@ -296,15 +360,22 @@ def _log_skip(member: str, reason: str) -> None:
     log.warning("skipping archive member %r: %s", member, reason)
 
 
-def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None = None
-                 ) -> Iterator[tuple[str, bytes]]:
-    """Stream ``(basename, bytes)`` for every ``.png`` member of a ``.tar.gz``, in archive order.
+def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None = None,
+                 max_member_bytes: int | None = None) -> Iterator[tuple[str, bytes]]:
+    """``(basename, bytes)`` of every ``.png`` member of a ``.tar.gz``, in archive order (``iter_members``)."""
+    for member, data in iter_members(path, on_skip=on_skip, max_member_bytes=max_member_bytes):
+        yield posix_basename(member), data
+
+
+def iter_members(path: Path | str, *, on_skip: Callable[[str, str], None] | None = None,
+                 max_member_bytes: int | None = None) -> Iterator[tuple[str, bytes]]:
+    """Stream ``(member name, bytes)`` for every ``.png`` member of a ``.tar.gz``, in archive order.
 
     Reads without extracting, in tarfile's streaming mode (``r|`` over a ``gzip`` stream), so an
-    archive is read once, sequentially. Every member first passes ``tarfile.data_filter`` (the
-    'data' extraction filter: ``..``, links pointing outside, device files are rejected); in
-    addition absolute member names (which the filter would merely strip) are rejected and only
-    regular files are accepted (no symlinks or hard links at all).
+    archive is read once, sequentially. Every member first passes ``archives.safe_members``: the
+    tar 'data' filter (``..``, links pointing outside, device files), absolute member names, only
+    regular files (no symlinks or hard links at all), and at most ``max_member_bytes`` by its
+    header (a larger member is skipped unread).
     Rejected members are reported through ``on_skip(member_name, reason)`` (default: a logged
     warning) and skipped; directories and non-PNG files are skipped silently.
 
@@ -320,15 +391,14 @@ def iter_archive(path: Path | str, *, on_skip: Callable[[str, str], None] | None
         with gzip.open(path, "rb") as gz:
             # 1 MiB reads instead of tarfile's 10 KiB records: far fewer gzip calls per image
             with tarfile.open(fileobj=gz, mode="r|", bufsize=_TAR_READ_BYTES) as tar:
-                for member in safe_members(tar, report):
+                for member in safe_members(tar, report, max_bytes=max_member_bytes):
                     if not member.name.lower().endswith(".png"):
                         continue
                     fh = tar.extractfile(member)
                     if fh is None:  # pragma: no cover - isfile() members always have data
                         report(member.name, "no data")
                         continue
-                    data = fh.read()
-                    yield posix_basename(member.name), data
+                    yield member.name, fh.read()
             while gz.read(1 << 20):  # drain: verifies the gzip trailer (length and CRC)
                 pass
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
@@ -387,21 +457,35 @@ class NIHDataset(Dataset):
     name: str = "nih"
     stage: str = "finetune"
     split_roles: tuple[str, ...] = ("labels", "split_list")
+    shard_options: tuple[str, ...] = ("max_member_mb", "max_image_megapixels")
     patient_pool: str = "finetune"
 
     def source_options(self) -> dict:
         if self.generated:
             return {}
         return {"archives": {"type": ["array", "null"], "minItems": 1, "uniqueItems": True,
-                             "items": {"type": "integer", "minimum": 1, "maximum": NIH_N_ARCHIVES}}}
+                             "items": {"type": "integer", "minimum": 1, "maximum": NIH_N_ARCHIVES}},
+                # BBox_List_2017.csv from the mirror (localisation scores); false: heatmaps without scores
+                "boxes": {"type": "boolean"}}
+
+    def evaluation_files(self, source: Source, boxes: bool = True) -> dict[str, RemoteFile]:
+        """The label table (subgroups) and, unless ``datasets.nih.boxes: false``, the box list."""
+        files = {"label_table": next(f for f in source.files if f.role == "labels")}
+        if self.has_boxes and (self.generated or boxes):
+            files["boxes"] = source.file(BOX_LIST_NAME)
+        return files
+
+    def box_frame(self) -> int | None:
+        return None if self.generated else PNG_SIDE
+
+    @property
+    def has_boxes(self) -> bool:
+        """Whether the release has a box list: the real one, and a generated release of fine-tuning data
+        (evaluated with localisation); a generated pretraining corpus is never evaluated: none."""
+        return not self.generated or self.stage == "finetune"
 
     def source(self, n_archives: int | None = None) -> Source:
-        return demo_source(n_archives, self.name) if self.generated else release_source(n_archives)
-
-    def source_in(self, raw_dir: Path) -> Source:
-        if not self.generated:
-            return self.source()
-        return self.source(max(1, len(list(Path(raw_dir).glob("images_[0-9][0-9][0-9].tar.gz")))))
+        return demo_source(n_archives, self.name, boxes=self.has_boxes) if self.generated else release_source(n_archives)
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
         """``images_001`` ... one per archive: ``n_archives`` of a generated release, else the
@@ -439,18 +523,22 @@ class NIHDataset(Dataset):
 
     def samples(self, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
                 report: Report) -> Iterator[tuple]:
+        """The key of a sample is the member's file name (the label table's ``Image Index``)."""
         split_of = dict(zip(splits["image"], splits["split"]))
         patient_of = dict(zip(splits["image"], splits["patient"]))
         table = read_labels(Path(raw_dir) / LABEL_CSV_NAME)
         targets = dict(zip(table.index, table[list(LABELS)].to_numpy(dtype=np.float32)))
-        for fname, data in iter_archive(Path(raw_dir) / f"{part}.tar.gz", on_skip=report):
+        archive = f"{part}.tar.gz"
+        for member, data in iter_members(Path(raw_dir) / archive, on_skip=report,
+                                         max_member_bytes=images.million(cfg.max_member_mb)):
+            fname = posix_basename(member)
             if fname not in split_of:
-                report(fname, "not in the label file or split lists")
+                report(member, "not in the label file or split lists")
                 continue
-            yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data
+            yield fname, str(patient_of[fname]), split_of[fname], targets[fname], data, f"{archive}:{member}"
 
-    def decode(self, data: bytes, key: str, size: int) -> np.ndarray:
-        return images.decode_grey(data, name=key, size=size)
+    def decode(self, data: bytes, key: str, cfg: ShardConfig) -> np.ndarray:
+        return images.decode_grey(data, name=key, size=cfg.image_size, max_pixels=images.million(cfg.max_image_megapixels))
 
 
 ADAPTER = NIHDataset()

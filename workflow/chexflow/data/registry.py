@@ -7,9 +7,16 @@ README, "Adding a dataset"). Imported by the Snakefile for every DAG it builds.
 """
 from __future__ import annotations
 
-from chexflow.data import fashion_mnist, imagenet, nih
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from chexflow.data import fashion_mnist, imagenet, nih, sources
 from chexflow.data.dataset import Dataset
-from chexflow.data.sources import UnknownSourceError
+from chexflow.data.sources import Source, UnknownSourceError
 
 DATASETS: dict[str, Dataset] = {a.name: a for a in (
     fashion_mnist.ADAPTER,
@@ -28,3 +35,42 @@ def get(name: str) -> Dataset:
     except (KeyError, TypeError):
         raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}") from None
 
+
+def get_source(name: str, *, n_archives: int | None = None) -> Source:
+    """The source of dataset ``name``, as its adapter defines it.
+
+    ``n_archives``: for ``nih_demo`` (required) the number of archives of the generated release;
+    an error for ``nih`` (always its 12 archives); ignored by the others.
+    """
+    return get(name).source(n_archives)
+
+
+def load_test_registry(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The test-only override of pins and published contents named by ``$CHEXFLOW_TEST_REGISTRY``
+    (None when unset); ``chexflow.data.sources.with_test_pins`` and ``registry_content`` apply it.
+
+    A JSON object ``{source: {"files": {name: {"sha256": hex, "size": int}}, "content": {...}}}``:
+    ``files`` replaces the pinned checksums of those files (their md5 pins are dropped), and
+    ``content`` replaces the published content a source's tables are checked against (for
+    ``nih``: the fields of ``chexflow.data.nih.ReleaseCounts``). For tests that serve a generated
+    mirror of a real source; a warning naming the file goes to stderr whenever it is used.
+    """
+    path = (os.environ if environ is None else environ).get(sources.TEST_REGISTRY_ENV)
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise sources.RegistryOverrideError(f"{sources.TEST_REGISTRY_ENV}={path}: cannot read the test registry "
+                                            f"({exc})") from exc
+    if not isinstance(data, dict):
+        raise sources.RegistryOverrideError(f"{path}: expected a JSON object {{source: {{files, content}}}}")
+    for name, entry in data.items():
+        if name not in NAMES:
+            raise sources.RegistryOverrideError(f"{path}: unknown source {name!r}; known: {', '.join(NAMES)}")
+        if not isinstance(entry, dict) or set(entry) - {"files", "content"}:
+            raise sources.RegistryOverrideError(f"{path}: {name}: expected an object with keys 'files' and/or "
+                                                "'content'")
+    print(f"WARNING: {sources.TEST_REGISTRY_ENV}={path}: pinned checksums / published contents of "
+          f"{', '.join(sorted(data))} are replaced by this test registry", file=sys.stderr)
+    return data

@@ -15,6 +15,12 @@ discarded (and logged), never resumed.
 The gather checks coverage: every image named in the split table must have been found in some
 archive (within ``max_missing_fraction``) unless a pilot subset of the archives was declared,
 in which case the shortfall is expected and recorded.
+
+Every archive member and image is untrusted. A part rejects (listing each in its manifest's
+``rejects`` with the reason) members that are unsafe to read, larger than ``max_member_mb`` (never
+read), or not in the split table, and images that are not a complete PNG or JPEG or declare more
+than ``max_image_megapixels`` (``chexflow.data.images``). An image name found twice, within a
+part or across parts, is an error naming both copies. A resumed part counts each reject once.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import json
 import os
 import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -32,7 +38,8 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from chexflow.config import ShardConfig, to_dict
+from chexflow.data.config import ShardConfig
+from chexflow.settings import to_dict
 from chexflow.data import images, nih, registry
 from chexflow.data.dataset import DatasetInfo, ShardError
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
@@ -81,8 +88,29 @@ class Sample:
     image: np.ndarray | None      # uint8 HxW, None when the sample is skipped (already sharded)
 
 
+@dataclass
+class PartLog:
+    """What reading a part found besides the samples it yields.
+
+    ``rejects``: in stream order, each ``{"image", "part", "stage", "reason"}``: stage ``read`` for
+    archive members that were not read as samples (unsafe, oversize, not in the split table;
+    "image" is the member name), ``decode`` for samples whose image did not decode completely
+    (also their "origin"). ``members``: image key -> origin (archive and member) of every sample,
+    written or rejected at decode. ``duplicates``: (key, first origin, later origin) of keys that
+    came again (the later copy is not used). ``earlier``: decode rejects of an earlier attempt of
+    the part by key, counted again (once) when their sample is skipped instead of decoded again."""
+    part: str
+    rejects: list[dict] = field(default_factory=list)
+    members: dict[str, str] = field(default_factory=dict)
+    duplicates: list[tuple[str, str, str]] = field(default_factory=list)
+    earlier: dict[str, dict] = field(default_factory=dict)
+
+    def reject_member(self, member: str, reason: str) -> None:
+        self.rejects.append({"image": member, "part": self.part, "stage": "read", "reason": reason})
+
+
 def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
-               skip: dict[str, str | None], rejects: list[dict]) -> Iterator[Sample]:
+               skip: dict[str, str | None], log: PartLog) -> Iterator[Sample]:
     """Yield the samples of one part in a deterministic order; decode lazily (skipped: image=None)."""
     skipping = {s: k is not None for s, k in skip.items()}
 
@@ -94,27 +122,41 @@ def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: S
             return False
         return True
 
-    def skipped(member: str, reason: str) -> None:
-        rejects.append({"image": member, "part": part, "reason": reason})
-
     dataset = registry.get(name)
-    yield from _decoded(dataset.samples(raw_dir, part, splits, cfg, skipped), part, wanted, rejects,
-                        lambda data, key: dataset.decode(data, key, cfg.image_size))
+    yield from _decoded(dataset.samples(raw_dir, part, splits, cfg, log.reject_member), log, wanted,
+                        lambda data, key: dataset.decode(data, key, cfg))
 
 
-def _decoded(items, part: str, wanted, rejects: list[dict], decode) -> Iterator[Sample]:
-    """Samples from ``(key, patient, split, target, encoded bytes)``: decoded unless already
-    sharded (``wanted`` is False: image None); undecodable ones go to ``rejects`` with the reason."""
-    for key, patient, split, target, data in items:
+def _decoded(items, log: PartLog, wanted, decode) -> Iterator[Sample]:
+    """Samples from ``(key, patient, split, target, encoded bytes, origin)``: decoded unless already
+    sharded (``wanted`` is False: image None); a key seen before goes to ``log.duplicates``,
+    undecodable ones to ``log.rejects`` with the reason."""
+    for key, patient, split, target, data, origin in items:
+        if key in log.members:
+            log.duplicates.append((key, log.members[key], origin))
+            continue
+        log.members[key] = origin
         if not wanted(split, key):
+            if key in log.earlier:    # rejected by the attempt that wrote the skipped shards
+                log.rejects.append(log.earlier[key])
+                continue
             yield Sample(key, patient, split, target, None)
             continue
         try:
             img = decode(data, key)
         except images.DecodeError as exc:
-            rejects.append({"image": key, "part": part, "reason": str(exc)})
+            log.rejects.append({"image": key, "part": log.part, "stage": "decode", "origin": origin,
+                                "reason": str(exc)})
             continue
         yield Sample(key, patient, split, target, img)
+
+
+def duplicates_error(where: str, duplicates: list[tuple[str, str, str]]) -> ShardError:
+    """The error for image keys that came more than once (each would be a sample twice)."""
+    shown = "; ".join(f"{key!r} in {first} and in {again}" for key, first, again in duplicates[:MISSING_EXAMPLES])
+    more = f" (and {len(duplicates) - MISSING_EXAMPLES} more)" if len(duplicates) > MISSING_EXAMPLES else ""
+    return ShardError(f"{where}: {len(duplicates)} image name(s) found more than once, which would put the same "
+                      f"image in the split twice: {shown}{more}. Remove the extra copies from the archives.")
 
 
 def _encode(sample: Sample, encoding: str) -> dict:
@@ -145,14 +187,16 @@ def _label_counts(targets: list[np.ndarray], info: DatasetInfo) -> dict[str, int
     return {label: int(np.nansum(arr[:, i] == 1)) for i, label in enumerate(info.labels)}
 
 
-def part_key(name: str, part: str, raw_dir: Path, splits_csv: Path, cfg: ShardConfig) -> str:
+def part_key(name: str, part: str, raw_dir: Path, splits_csv: Path, cfg: ShardConfig,
+             n_archives: int | None = None) -> str:
     """Identity of what a part's shards hold: the shard settings (not the thresholds checked after
     writing), the split table's bytes, and each input file's name, size and mtime (a new download
-    of an archive is a new input)."""
+    of an archive is a new input). ``n_archives``: a generated release's archive count (as the
+    workflow configures it, never as many as happen to be in ``raw_dir``)."""
     settings = {k: v for k, v in to_dict(cfg).items() if k not in _KEY_EXCLUDED}
     inputs = []
     dataset = registry.get(name)
-    for file in dataset.part_files(dataset.source_in(Path(raw_dir)), part):
+    for file in dataset.part_files(dataset.source(n_archives), part):
         st = (Path(raw_dir) / file.name).stat()
         inputs.append([file.name, st.st_size, st.st_mtime_ns])
     ident = {"dataset": name, "part": part, "settings": settings, "inputs": inputs,
@@ -160,9 +204,10 @@ def part_key(name: str, part: str, raw_dir: Path, splits_csv: Path, cfg: ShardCo
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def _resumable(out_dir: Path, key: str) -> tuple[list[dict], list[dict]]:
-    """(finished shard records, rejects) of an earlier attempt with the same ``key``; the shards
-    of an attempt with another key are deleted and logged."""
+def _resumable(out_dir: Path, key: str) -> tuple[list[dict], dict[str, dict]]:
+    """(finished shard records, decode rejects by image key) of an earlier attempt with the same
+    ``key``; the shards of an attempt with another key are deleted and logged. Per split, shards
+    are resumed up to the first one that is missing or no longer has its recorded checksum."""
     progress_path = out_dir / "progress.json"
     progress: dict = {}
     if progress_path.exists():
@@ -181,27 +226,44 @@ def _resumable(out_dir: Path, key: str) -> tuple[list[dict], list[dict]]:
             was = "an attempt without a resume record" if "key" not in progress else f"key {progress['key'][:12]}"
             print(f"{out_dir}: discarded {len(stale)} shard(s) of an earlier attempt written with other settings "
                   f"or another copy of the input ({was}, now {key[:12]}): {stale[:5]}", file=sys.stderr)
-        return [], []
-    done = [r for r in records if (out_dir / r["file"]).exists()]
-    return done, (list(progress.get("rejects", [])) if done else [])
+        return [], {}
+    done, broken = [], set()
+    for r in records:
+        path = out_dir / r["file"]
+        if r["split"] in broken or not path.exists() or sha256_file(path) != r["sha256"]:
+            broken.add(r["split"])
+            continue
+        done.append(r)
+    earlier = {r["image"]: r for r in progress.get("rejects", []) if r.get("stage") == "decode"}
+    return done, (earlier if done else {})
 
 
 def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: Path,
-               cfg: ShardConfig, *, progress: bool = False) -> dict:
+               cfg: ShardConfig, *, n_archives: int | None = None, progress: bool = False) -> dict:
     """Write the shards of one source archive and its manifest; returns the manifest.
 
     The manifest lists, besides the shards, the listed images found in this part (``listed_found``:
     names in the split table that were written or rejected), which ``gather`` uses to check that
-    every listed image was found in some archive. ``progress``: a tqdm bar (images) on stderr."""
+    every listed image was found in some archive, and the origin of every sample (``members``),
+    which ``gather`` uses to find an image name in two parts. ``n_archives``: a generated release's
+    archive count (required for one). An image name found twice in the part is a ``ShardError``
+    naming both copies. ``progress``: a tqdm bar (images) on stderr."""
     import webdataset as wds     # imported here: split and gather need no torch (4 s -> 0.7 s per job)
+    if registry.get(name).generated and n_archives is None:
+        raise ShardError(f"{name}/{part}: a generated release's shard job needs its archive count as configured "
+                         "(write_part(n_archives=...), chexflow shards --n-archives), not the archives on disk")
+    if part not in (parts := parts_of(name, cfg, n_archives)):
+        raise ShardError(f"{name}: no part {part!r}; its parts are {parts}")
+    key = part_key(name, part, Path(raw_dir), Path(splits_csv), cfg, n_archives)
     info = dataset_info(name, Path(raw_dir))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = pd.read_csv(splits_csv, dtype=str)
     listed = set(splits["image"])
-    key = part_key(name, part, Path(raw_dir), Path(splits_csv), cfg)
     progress_path = out_dir / "progress.json"
-    done, rejects = _resumable(out_dir, key)
+    done, earlier = _resumable(out_dir, key)
+    log = PartLog(part, earlier=earlier)
+    rejects = log.rejects
     skip = {s: None for s in SPLITS}
     for s in done:
         skip[s["split"]] = s["last_key"]
@@ -234,7 +296,7 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
 
     bar = tqdm(desc=f"{name}/{part}", unit="img", file=sys.stderr, mininterval=5.0, disable=not progress)
     with bar:
-        for smp in _iter_part(name, Path(raw_dir), part, splits, cfg, skip, rejects):
+        for smp in _iter_part(name, Path(raw_dir), part, splits, cfg, skip, log):
             bar.update()
             if smp.image is None:
                 continue
@@ -244,6 +306,8 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
         for split in list(buffers):
             flush(split)
 
+    if log.duplicates:
+        raise duplicates_error(f"{name}/{part}", log.duplicates)
     n_total = sum(r["count"] for r in shard_records) + len(rejects)
     reject_fraction = len(rejects) / max(n_total, 1)
     if reject_fraction > cfg.max_reject_fraction:
@@ -258,6 +322,7 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
                    for r in sorted(shard_records, key=lambda r: r["file"])],
         "rejects": rejects,
         "listed_found": found,
+        "members": log.members,
     }
     write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1))
     progress_path.unlink(missing_ok=True)
@@ -272,7 +337,7 @@ def build_dataset(name: str, raw_dir: Path, out_dir: Path, cfg: ShardConfig, *,
     split_dataset(name, raw_dir, cfg, out_dir / "splits.csv", expected=expected)
     part_manifests = []
     for part in parts_of(name, cfg, n_archives):
-        write_part(name, part, raw_dir, out_dir / "splits.csv", out_dir / "parts" / part, cfg)
+        write_part(name, part, raw_dir, out_dir / "splits.csv", out_dir / "parts" / part, cfg, n_archives=n_archives)
         part_manifests.append(out_dir / "parts" / part / "manifest.json")
     gather(name, part_manifests, out_dir / "manifest.json", cfg, splits_csv=out_dir / "splits.csv")
     return out_dir / "manifest.json"
@@ -320,7 +385,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
 
     With the split table (``splits_csv``, what the workflow passes) the manifest records per split
     how many listed images there are (``n_listed``) next to those used (``n_images``), and
-    ``coverage`` (see ``coverage``: missing listed images are an error for a full release)."""
+    ``coverage`` (see ``coverage``: missing listed images are an error for a full release).
+    An image name in two parts (two archives) is a ``ShardError`` naming both copies."""
     info = dataset_info(name)
     out_path = Path(out_path)
     root = out_path.parent
@@ -331,12 +397,23 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
     labels = list(info.labels)
     found: set[str] = set()
     part_names: list[str] = []
+    origin_of: dict[str, str] = {}
+    duplicates: list[tuple[str, str, str]] = []
     for mpath in part_manifests:
         mpath = Path(mpath)
         try:
             m = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ShardError(f"{mpath}: unreadable part manifest ({exc})") from exc
+        members = m.get("members") if isinstance(m, dict) else None
+        if not isinstance(members, dict):
+            raise ShardError(f"{mpath}: part manifest without its 'members' (written by an older chexflow?); "
+                             "delete it and rerun the part")
+        for key, origin in members.items():
+            if key in origin_of:
+                duplicates.append((key, origin_of[key], origin))
+            else:
+                origin_of[key] = origin
         if not labels:             # ImageNet: the classes of the devkit, recorded by every part
             labels = list(m["labels"])
         if list(m["labels"]) != labels:
@@ -354,6 +431,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
             s["label_counts"].update(sh["label_counts"])
             s["shards"].append({"path": rel, "count": sh["count"], "sha256": sh["sha256"]})
             patients[sh["split"]].update(sh["patients"])
+    if duplicates:
+        raise duplicates_error(f"{name}: the parts {part_names[0]} ... {part_names[-1]}", duplicates)
     overlap = {(a, b): len(patients[a] & patients[b]) for a in patients for b in patients if a < b}
     if any(overlap.values()):
         raise ShardError(f"{name}: patients shared between splits {overlap}")

@@ -1,6 +1,6 @@
 """What a dataset's release is made of: its files, official URLs, pinned checksums, roles.
 
-A ``Source`` (each dataset module defines its own; ``chexflow.data.registry`` lists them) names
+A ``Source`` (each dataset module defines its own; ``chexflow.data.registry.get_source`` finds it) names
 the files of one dataset as they lie under ``data/raw/<dataset>/``, each with its role. Each file
 has its official URL (or ``None`` where the data sit behind a registration or a folder link, in
 which case the user gives a *mirror*: a local directory, a ``file://`` URL or an ``http(s)``
@@ -9,21 +9,18 @@ base URL holding the files under the same names) and, where known, its published
 Tests that serve a *generated* mirror of a real source (e.g. a tiny ChestX-ray14 in the exact
 release layout) cannot match the pinned checksums or the published table sizes. For them only,
 the environment variable ``CHEXFLOW_TEST_REGISTRY`` may name a JSON file that replaces those pins
-and expectations (``load_test_registry``). Nothing in ``config.yaml`` can set it; the CLI stages
+and expectations (``chexflow.data.registry.load_test_registry``). Nothing in ``config.yaml`` can set it; the CLI stages
 that use it print a warning naming the file.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import sys
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-ROLES = ("archive", "images", "labels", "split_list", "checksums", "devkit", "data")
+ROLES = ("archive", "images", "labels", "split_list", "boxes", "checksums", "devkit", "data")
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class Source:
 
 
 class UnknownSourceError(KeyError):
-    """``get_source`` was asked for a dataset the registry does not know."""
+    """The registry was asked for a dataset it does not know."""
 
     def __str__(self) -> str:  # KeyError would show the repr of the message
         return str(self.args[0]) if self.args else ""
@@ -67,16 +64,6 @@ class UnknownSourceError(KeyError):
 
 class NoURLError(ValueError):
     """A file has no official URL and no mirror was given."""
-
-
-def get_source(name: str, *, n_archives: int | None = None) -> Source:
-    """The source of dataset ``name``, as its adapter in ``chexflow.data.registry`` defines it.
-
-    ``n_archives``: for ``nih_demo`` (required) the number of archives of the generated release;
-    an error for ``nih`` (always its 12 archives); ignored by the others.
-    """
-    from chexflow.data import registry   # the registry imports the dataset modules, which import this one
-    return registry.get(name).source(n_archives)
 
 
 def _is_url(s: str) -> bool:
@@ -115,35 +102,6 @@ TEST_REGISTRY_ENV = "CHEXFLOW_TEST_REGISTRY"
 
 class RegistryOverrideError(ValueError):
     """The test registry file named by CHEXFLOW_TEST_REGISTRY is malformed; names the file and key."""
-
-
-def load_test_registry(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """The test-only registry override named by ``$CHEXFLOW_TEST_REGISTRY`` (None when unset).
-
-    A JSON object ``{source: {"files": {name: {"sha256": hex, "size": int}}, "content": {...}}}``:
-    ``files`` replaces the pinned checksums of those files (their md5 pins are dropped), and
-    ``content`` replaces the published content a source's tables are checked against (for
-    ``nih``: the fields of ``chexflow.data.nih.ReleaseCounts``). For tests that serve a generated
-    mirror of a real source; a warning naming the file goes to stderr whenever it is used.
-    """
-    path = (os.environ if environ is None else environ).get(TEST_REGISTRY_ENV)
-    if not path:
-        return None
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RegistryOverrideError(f"{TEST_REGISTRY_ENV}={path}: cannot read the test registry ({exc})") from exc
-    from chexflow.data import registry
-    if not isinstance(data, dict):
-        raise RegistryOverrideError(f"{path}: expected a JSON object {{source: {{files, content}}}}")
-    for name, entry in data.items():
-        if name not in registry.NAMES:
-            raise RegistryOverrideError(f"{path}: unknown source {name!r}; known: {', '.join(registry.NAMES)}")
-        if not isinstance(entry, dict) or set(entry) - {"files", "content"}:
-            raise RegistryOverrideError(f"{path}: {name}: expected an object with keys 'files' and/or 'content'")
-    print(f"WARNING: {TEST_REGISTRY_ENV}={path}: pinned checksums / published contents of "
-          f"{', '.join(sorted(data))} are replaced by this test registry", file=sys.stderr)
-    return data
 
 
 def with_test_pins(source: Source, registry: Mapping[str, Any] | None) -> Source:

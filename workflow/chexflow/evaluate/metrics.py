@@ -1,5 +1,8 @@
 """Evaluation metrics: per-label AUROC, patient-level bootstrap CIs, operating points.
 
+Per-label AUROC, its mean and top-1 accuracy are training's validation metrics too: they are
+defined in ``chexflow.train.val_metrics`` (training must not import this layer) and used here.
+
 numpy + scikit-learn only; torch tensors are accepted where noted but torch is never
 imported here (conversion goes through ``.detach().cpu().numpy()``).
 
@@ -10,12 +13,15 @@ AUROC is invariant to monotone transforms).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sklearn.metrics import confusion_matrix, roc_auc_score, roc_curve
+from sklearn.calibration import calibration_curve
+from sklearn.metrics import average_precision_score, brier_score_loss, confusion_matrix, precision_recall_curve, roc_curve
+
+from chexflow.train.val_metrics import auroc_per_label, mean_auroc, to_numpy, top1_accuracy
+from chexflow.train.val_metrics import check_scores as _check_2d
 
 __all__ = [
     "auroc_per_label",
@@ -23,60 +29,16 @@ __all__ = [
     "patient_resample_counts",
     "bootstrap_auroc",
     "paired_bootstrap_auroc_diff",
+    "paired_bootstrap_over_seeds",
     "youden_threshold",
     "operating_point",
     "top1_accuracy",
     "to_numpy",
+    "positives",
+    "calibration",
+    "precision_recall",
+    "proportion_ci",
 ]
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    """numpy view of a numpy array, list or torch tensor (on any device)."""
-    if hasattr(x, "detach"):  # torch.Tensor without importing torch
-        x = x.detach()
-        if hasattr(x, "float") and str(getattr(x, "dtype", "")) in ("torch.bfloat16", "torch.float16"):
-            x = x.float()
-        return x.cpu().numpy()
-    return np.asarray(x)
-
-
-def _check_2d(y_true: np.ndarray, y_score: np.ndarray, labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    y_true = np.asarray(y_true, dtype=np.float64)
-    y_score = np.asarray(y_score, dtype=np.float64)
-    if y_true.ndim == 1:
-        y_true = y_true[:, None]
-    if y_score.ndim == 1:
-        y_score = y_score[:, None]
-    if y_true.shape != y_score.shape:
-        raise ValueError(f"y_true has shape {y_true.shape} but y_score has shape {y_score.shape}")
-    if y_true.shape[1] != len(labels):
-        raise ValueError(f"{y_true.shape[1]} label columns but {len(labels)} label names: {list(labels)}")
-    known = ~np.isnan(y_true)
-    if not np.isin(y_true[known], (0.0, 1.0)).all():
-        raise ValueError("y_true must contain only 0, 1 or NaN (unknown)")
-    if np.isnan(y_score[known]).any():
-        raise ValueError("y_score is NaN where y_true is known")
-    return y_true, y_score
-
-
-def auroc_per_label(y_true: np.ndarray, y_score: np.ndarray, labels: Sequence[str]) -> dict[str, float | None]:
-    """AUROC of each label column over its non-NaN rows; None when only one class is present."""
-    y_true, y_score = _check_2d(y_true, y_score, labels)
-    out: dict[str, float | None] = {}
-    for j, label in enumerate(labels):
-        known = ~np.isnan(y_true[:, j])
-        t = y_true[known, j]
-        if t.size == 0 or np.unique(t).size < 2:
-            out[label] = None
-            continue
-        out[label] = float(roc_auc_score(t, y_score[known, j]))
-    return out
-
-
-def mean_auroc(per_label: dict[str, float | None]) -> float:
-    """Mean over the labels whose AUROC is defined (NaN if none is)."""
-    vals = [v for v in per_label.values() if v is not None]
-    return float(np.mean(vals)) if vals else float("nan")
 
 
 # --------------------------------------------------------------------------- bootstrap
@@ -125,6 +87,16 @@ def _weighted_auroc_batch(t: np.ndarray, s: np.ndarray, w: np.ndarray) -> np.nda
     return auc
 
 
+MEAN_RULE = ("resamples in which every label of the mean has both classes; resamples that lost a label's "
+             "positives (or negatives) are dropped, not averaged over fewer labels")
+
+
+def _mean_over_complete_resamples(per_label: np.ndarray) -> np.ndarray:
+    """Row means of ``per_label`` [B, L] over the rows where no label is NaN (see ``MEAN_RULE``)."""
+    complete = ~np.isnan(per_label).any(axis=1)
+    return per_label[complete].mean(axis=1) if per_label.shape[1] else np.empty(0)
+
+
 def bootstrap_auroc(y_true: np.ndarray, y_score: np.ndarray, groups: Sequence[Any], labels: Sequence[str], *,
                     n_resamples: int = 1000, seed: int = 0, alpha: float = 0.05,
                     chunk_size: int = 256) -> dict[str, Any]:
@@ -132,13 +104,14 @@ def bootstrap_auroc(y_true: np.ndarray, y_score: np.ndarray, groups: Sequence[An
 
     Patients are drawn with replacement (all images of a drawn patient come along).
     A resample in which a label has only one class is skipped for that label
-    (``n_skipped``). The mean AUROC of a resample is the mean over the labels that are
-    defined both in the point estimate and in that resample.
+    (``n_skipped``). The mean AUROC's CI uses only the resamples in which every label of the
+    point estimate's mean has both classes (``MEAN_RULE``): a resample that lost a rare label's
+    positives would otherwise average over fewer, easier or harder labels than the point estimate.
 
     Returns ``{"labels": {L: {"auroc", "ci_low", "ci_high", "ci": [low, high],
     "n_resamples_used", "n_skipped"}}, "mean_auroc": {"auroc", "ci_low", "ci_high",
-    "n_resamples_used"}, "mean_auroc_ci": [low, high], "n_resamples", "alpha", "seed",
-    "n_patients", "n_images"}`` (CIs and the ``ci`` pairs are None when undefined).
+    "n_resamples_used", "n_resamples_dropped", "rule"}, "mean_auroc_ci": [low, high], "n_resamples",
+    "alpha", "seed", "n_patients", "n_images"}`` (CIs and the ``ci`` pairs are None when undefined).
     """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
@@ -180,18 +153,13 @@ def bootstrap_auroc(y_true: np.ndarray, y_score: np.ndarray, groups: Sequence[An
                              "ci": None if lo is None else [lo, hi],
                              "n_resamples_used": used, "n_skipped": n_resamples - used}
     defined = [j for j, label in enumerate(labels) if point[label] is not None]
-    if defined:
-        with warnings.catch_warnings():  # all-NaN rows (every label skipped) -> NaN, silently
-            warnings.simplefilter("ignore", RuntimeWarning)
-            per_resample_mean = np.nanmean(boot[:, defined], axis=1)
-        lo, hi = ci(per_resample_mean)
-        used = int((~np.isnan(per_resample_mean)).sum())
-    else:
-        lo = hi = None
-        used = 0
+    per_resample_mean = _mean_over_complete_resamples(boot[:, defined]) if defined else np.empty(0)
+    lo, hi = ci(per_resample_mean)
+    used = int(per_resample_mean.size)
     return {
         "labels": out_labels,
-        "mean_auroc": {"auroc": mean_auroc(point), "ci_low": lo, "ci_high": hi, "n_resamples_used": used},
+        "mean_auroc": {"auroc": mean_auroc(point), "ci_low": lo, "ci_high": hi, "n_resamples_used": used,
+                       "n_resamples_dropped": n_resamples - used, "rule": MEAN_RULE},
         "mean_auroc_ci": None if lo is None else [lo, hi],
         "n_resamples": n_resamples,
         "alpha": alpha,
@@ -208,11 +176,12 @@ def paired_bootstrap_auroc_diff(y_true: np.ndarray, score_a: np.ndarray, score_b
 
     Both models are scored on the same resample (the same patients drawn), so the variation the
     two share (which patients are in the test set) cancels in the difference. The mean AUROC of
-    a resample is over the labels defined in both point estimates and in that resample.
+    a resample is over the labels defined in both point estimates; only resamples in which every one
+    of them has both classes count (``MEAN_RULE``). Each label's own difference gets its CI too.
 
     Returns ``{"diff", "ci": [low, high] or None, "p_le_0" (share of resamples with A - B <= 0),
     "mean_a", "mean_b", "n_resamples_used", "n_resamples", "alpha", "seed", "n_patients",
-    "n_images", "labels_used"}``.
+    "n_images", "labels_used", "labels": {L: {"diff", "a", "b", "ci", "n_resamples_used"}}, "rule"}``.
     """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
@@ -237,21 +206,68 @@ def paired_bootstrap_auroc_diff(y_true: np.ndarray, score_a: np.ndarray, score_b
             w = counts[b0:b0 + chunk_size][:, pidx].astype(np.float64)
             diff[b0:b0 + chunk_size, k] = (_weighted_auroc_batch(t, score_a[known, j], w)
                                            - _weighted_auroc_batch(t, score_b[known, j], w))
-    with warnings.catch_warnings():  # all-NaN rows (every label skipped) -> NaN, silently
-        warnings.simplefilter("ignore", RuntimeWarning)
-        per_resample = np.nanmean(diff, axis=1)
-    per_resample = per_resample[~np.isnan(per_resample)]
+    per_resample = _mean_over_complete_resamples(diff)
     mean_a = float(np.mean([point_a[labels[j]] for j in used]))
     mean_b = float(np.mean([point_b[labels[j]] for j in used]))
-    ci = None
-    if per_resample.size:
-        lo, hi = np.percentile(per_resample, [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)])
-        ci = [float(lo), float(hi)]
-    return {"diff": mean_a - mean_b, "ci": ci,
+    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
+
+    def ci(vals: np.ndarray) -> list[float] | None:
+        vals = vals[~np.isnan(vals)]
+        return [float(v) for v in np.percentile(vals, q)] if vals.size else None
+
+    per_label = {labels[j]: {"diff": point_a[labels[j]] - point_b[labels[j]], "a": point_a[labels[j]],
+                             "b": point_b[labels[j]], "ci": ci(diff[:, k]),
+                             "n_resamples_used": int((~np.isnan(diff[:, k])).sum())}
+                 for k, j in enumerate(used)}
+    return {"diff": mean_a - mean_b, "ci": ci(per_resample),
             "p_le_0": float(np.mean(per_resample <= 0.0)) if per_resample.size else None,
             "mean_a": mean_a, "mean_b": mean_b, "n_resamples_used": int(per_resample.size),
             "n_resamples": n_resamples, "alpha": alpha, "seed": seed, "n_patients": int(counts.shape[1]),
-            "n_images": int(y_true.shape[0]), "labels_used": [labels[j] for j in used]}
+            "n_images": int(y_true.shape[0]), "labels_used": [labels[j] for j in used], "labels": per_label,
+            "rule": MEAN_RULE}
+
+
+def paired_bootstrap_over_seeds(y_true: np.ndarray, runs: Sequence[tuple[np.ndarray, np.ndarray]],
+                                groups: Sequence[Any], labels: Sequence[str], *, n_resamples: int = 1000,
+                                seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """The mean-AUROC difference ``A - B`` averaged over training seeds, on the same test images.
+
+    ``runs``: one (score_a, score_b) pair per training seed. Two uncertainties, kept apart:
+    ``ci`` resamples test patients (the same draw for every seed; the per-resample value is the
+    seed-average of each seed's difference over the labels, complete resamples only, ``MEAN_RULE``);
+    ``t_ci`` is the t-interval of the per-seed differences (training randomness; None for one seed).
+    """
+    from scipy import stats
+    if not runs:
+        raise ValueError("paired_bootstrap_over_seeds needs at least one (score_a, score_b) run")
+    y_true, _ = _check_2d(y_true, runs[0][0], labels)
+    per_seed = [paired_bootstrap_auroc_diff(y_true, a, b, groups, labels, n_resamples=1, seed=seed) for a, b in runs]
+    used = per_seed[0]["labels_used"]
+    if any(r["labels_used"] != used for r in per_seed):
+        raise ValueError("the runs define the AUROC on different labels")
+    cols = [labels.index(lab) for lab in used]
+    patient_index, counts = patient_resample_counts(groups, n_resamples, np.random.default_rng(seed))
+    total = np.zeros((n_resamples, len(cols)))
+    for a, b in runs:
+        _, a = _check_2d(y_true, a, labels)
+        _, b = _check_2d(y_true, b, labels)
+        for k, j in enumerate(cols):
+            known = ~np.isnan(y_true[:, j])
+            w = counts[:, patient_index[known]].astype(np.float64)
+            total[:, k] += (_weighted_auroc_batch(y_true[known, j], a[known, j], w)
+                            - _weighted_auroc_batch(y_true[known, j], b[known, j], w))
+    per_resample = _mean_over_complete_resamples(total / len(runs))
+    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
+    diffs = np.array([r["diff"] for r in per_seed])
+    t_ci = None
+    if len(diffs) > 1:
+        half = stats.t.ppf(1.0 - alpha / 2.0, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
+        t_ci = [float(diffs.mean() - half), float(diffs.mean() + half)]
+    return {"diff": float(diffs.mean()), "per_seed": diffs.tolist(),
+            "sd": float(diffs.std(ddof=1)) if len(diffs) > 1 else None,
+            "ci": [float(v) for v in np.percentile(per_resample, q)] if per_resample.size else None,
+            "t_ci": t_ci, "n_seeds": len(runs), "n_resamples_used": int(per_resample.size),
+            "n_resamples": n_resamples, "n_patients": int(counts.shape[1]), "labels_used": used, "rule": MEAN_RULE}
 
 
 # --------------------------------------------------------------------------- thresholds
@@ -276,7 +292,7 @@ def youden_threshold(y_true: np.ndarray, y_score: np.ndarray) -> float:
 
 
 def operating_point(y_true: np.ndarray, y_score: np.ndarray, threshold: float) -> dict[str, float | None]:
-    """Sensitivity, specificity, PPV and F1 of ``score >= threshold`` (None where undefined)."""
+    """Sensitivity, specificity, PPV, NPV and F1 of ``score >= threshold`` (None where undefined)."""
     t, s = _known_binary(y_true, y_score)
     pred = (s >= threshold).astype(int)
     tn, fp, fn, tp = (int(v) for v in confusion_matrix(t, pred, labels=[0, 1]).ravel())
@@ -289,17 +305,70 @@ def operating_point(y_true: np.ndarray, y_score: np.ndarray, threshold: float) -
         "sensitivity": ratio(tp, tp + fn),
         "specificity": ratio(tn, tn + fp),
         "ppv": ratio(tp, tp + fp),
+        "npv": ratio(tn, tn + fn),
         "f1": ratio(2 * tp, 2 * tp + fp + fn),
         "tp": tp, "fp": fp, "tn": tn, "fn": fn,
     }
 
 
-def top1_accuracy(logits: Any, targets: Any) -> float:
-    """Fraction of rows whose argmax over classes equals the integer target."""
-    logits = to_numpy(logits)
-    targets = to_numpy(targets).reshape(-1)
-    if logits.ndim != 2 or logits.shape[0] != targets.shape[0]:
-        raise ValueError(f"top1_accuracy: logits {logits.shape} must be [N, C] with N = {targets.shape[0]}")
-    if targets.size == 0:
-        return float("nan")
-    return float((np.argmax(logits, axis=1) == targets).mean())
+def positives(y_true: np.ndarray, patients: Sequence[Any]) -> dict[str, int]:
+    """Positives of one label counted per image and per patient (a patient with any positive image),
+    and the known images: the evidence a threshold or an AUROC rests on."""
+    y = np.asarray(y_true, dtype=np.float64).reshape(-1)
+    patients = np.asarray(patients)
+    if patients.shape != y.shape:
+        raise ValueError(f"{y.size} labels but {patients.size} patient ids")
+    pos = y == 1.0
+    return {"images": int(pos.sum()), "patients": int(np.unique(patients[pos]).size),
+            "known_images": int((~np.isnan(y)).sum())}
+
+
+# --------------------------------------------------------------------------- calibration, PR
+def calibration(y_true: np.ndarray, y_prob: np.ndarray, *, n_bins: int = 10) -> dict[str, Any]:
+    """Brier score, expected calibration error and the reliability diagram of probabilities of one label.
+
+    Bins are ``n_bins`` equal-width bins of [0, 1], assigned as scikit-learn's ``calibration_curve``
+    (strategy "uniform") assigns them; the curve is scikit-learn's. ECE = sum over non-empty bins of
+    (images in bin / images) x |fraction positive - mean predicted probability| (Guo et al. 2017).
+    Returns ``{"brier", "ece", "n", "prevalence", "bins": [{"lo", "hi", "count", "mean_predicted",
+    "fraction_positive"}] (non-empty bins only)}``.
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    t, p = _known_binary(y_true, y_prob)
+    if p.size and (p.min() < 0.0 or p.max() > 1.0):
+        raise ValueError("calibration needs probabilities in [0, 1]")
+    if np.unique(t).size < 2:
+        raise ValueError("calibration needs both classes in y_true")
+    frac_pos, mean_pred = calibration_curve(t, p, n_bins=n_bins, strategy="uniform")
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    bin_of = np.searchsorted(edges[1:-1], p)        # scikit-learn's assignment of "uniform" bins
+    counts = np.bincount(bin_of, minlength=n_bins)
+    nonempty = np.flatnonzero(counts)
+    ece = float(np.sum(counts[nonempty] / p.size * np.abs(frac_pos - mean_pred)))
+    bins = [{"lo": float(edges[b]), "hi": float(edges[b + 1]), "count": int(counts[b]),
+             "mean_predicted": float(mp), "fraction_positive": float(fp)}
+            for b, mp, fp in zip(nonempty, mean_pred, frac_pos)]
+    return {"brier": float(brier_score_loss(t, p)), "ece": ece, "n": int(p.size),
+            "prevalence": float(t.mean()), "bins": bins}
+
+
+def precision_recall(y_true: np.ndarray, y_score: np.ndarray) -> dict[str, Any]:
+    """PR curve and AUPRC (scikit-learn's average precision) of one label; the chance level of AUPRC
+    is the prevalence. Returns ``{"auprc", "prevalence", "precision", "recall"}`` (curve as lists)."""
+    t, s = _known_binary(y_true, y_score)
+    if np.unique(t).size < 2:
+        raise ValueError("precision_recall needs both classes in y_true")
+    precision, recall, _ = precision_recall_curve(t, s)
+    return {"auprc": float(average_precision_score(t, s)), "prevalence": float(t.mean()),
+            "precision": precision.tolist(), "recall": recall.tolist()}
+
+
+def proportion_ci(k: int, n: int, *, alpha: float = 0.05) -> list[float] | None:
+    """Wilson score interval of a proportion k/n (scipy); None for n = 0."""
+    from scipy.stats import binomtest
+    if n == 0:
+        return None
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=1.0 - alpha, method="wilson")
+    return [float(ci.low), float(ci.high)]
+

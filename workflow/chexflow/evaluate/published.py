@@ -4,10 +4,12 @@ All per-label tables use the 14 NIH label spellings of ``chexflow.data.nih.LABEL
 (``Pleural_Thickening`` with an underscore). Means are computed from the per-label
 values, never typed in separately.
 
-Caveat shown in the report: none of these numbers were measured on the same test set.
-CheXNet split ChestX-ray14 at random (patient-wise) itself; arnoweng/CheXNet says it
-randomly split the data 70/10/20; Zech's reproduction uses the split in its own
-``nih_labels.csv``. Differences of a few hundredths are within split-to-split variation.
+Caveat shown in the report: none of these numbers were measured on the same test set, and
+they do not all come from the same kind of split. Each result names its own (``split``):
+CheXNet split ChestX-ray14 at random (patient-wise) itself; Wang et al.'s table uses the
+official NIH lists (train_val_list.txt / test_list.txt); arnoweng/CheXNet randomly split the
+data 70/10/20; Zech's reproduction uses the split in its own ``nih_labels.csv``. Differences of
+a few hundredths are within split-to-split variation.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class PublishedResult:
     per_label: Mapping[str, float] = field(default_factory=dict)
     reported_mean: float | None = None
     note: str = ""
+    split: str = ""                   # the test set the numbers were measured on
 
     def get(self, label: str, default: float | None = None) -> float | None:
         """Per-label AUROC like ``dict.get`` (``default`` for labels without a value)."""
@@ -91,7 +94,8 @@ CHEXNET = PublishedResult(
     url="https://arxiv.org/abs/1711.05225",
     per_label=CHEXNET_AUROC,
     reported_mean=0.841,
-    note="DenseNet-121, ImageNet-pretrained; random patient-wise split of ChestX-ray14.",
+    note="DenseNet-121, ImageNet-pretrained.",
+    split="random patient-wise split by the authors (train 70% / validation 10% / test 20%)",
 )
 
 WANG2017 = PublishedResult(
@@ -104,6 +108,7 @@ WANG2017 = PublishedResult(
     per_label=WANG2017_AUROC,
     note=("ResNet-50 baseline, 14-label ChestX-ray14 results of the revised arXiv version "
           "(the CheXNet paper tabulates an earlier version's values, e.g. Atelectasis 0.716)."),
+    split="the official NIH split lists (train_val_list.txt / test_list.txt, patient-wise)",
 )
 
 ARNOWENG = PublishedResult(
@@ -113,8 +118,8 @@ ARNOWENG = PublishedResult(
               "of Thoracic Diseases (PyTorch reimplementation). GitHub: arnoweng/CheXNet."),
     url="https://github.com/arnoweng/CheXNet",
     reported_mean=0.847,
-    note=("Mean of their 'improved model' as stated in the README; data randomly split "
-          "70/10/20 by the authors, not the official NIH train_val_list/test_list."),
+    note="Mean of their 'improved model' as stated in the README.",
+    split="random split by the authors (70/10/20), not the official NIH lists",
 )
 
 ZECH = PublishedResult(
@@ -123,14 +128,17 @@ ZECH = PublishedResult(
     citation="Zech J. reproduce-chexnet. GitHub repository (2018): jrzech/reproduce-chexnet.",
     url="https://github.com/jrzech/reproduce-chexnet",
     reported_mean=0.836,
-    note=("Mean of the 14 AUROCs in the 2018 pretrained/aucs.csv (0.8358); the split comes "
-          "from the repository's own nih_labels.csv, not the official NIH split files."),
+    note="Mean of the 14 AUROCs in the 2018 pretrained/aucs.csv (0.8358).",
+    split="the repository's own patient-wise split (nih_labels.csv), not the official NIH lists",
 )
 
 REPRODUCTIONS: tuple[PublishedResult, ...] = (ARNOWENG, ZECH)
 
+PUBLISHED: tuple[PublishedResult, ...] = (CHEXNET, WANG2017, *REPRODUCTIONS)
+
 SPLIT_CAVEAT = (
-    "The published numbers were measured on test sets the authors split themselves (random "
-    "splits), not on the official NIH test_list.txt, and not on the images tested here. "
-    "Use them as a reference point, not as a like-for-like comparison."
+    "The published numbers come from different test sets: CheXNet and the two reimplementations split "
+    "ChestX-ray14 themselves (random patient-wise splits), Wang et al. used the official NIH lists; none of "
+    "them was measured on the images tested here. Each reference's split is named in the table. Use them as "
+    "a reference point, not as a like-for-like comparison."
 )

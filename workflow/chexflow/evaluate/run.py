@@ -1,8 +1,10 @@
-"""Evaluation stage: predictions of the selected model on validation and test, AUROC with CIs.
+"""Evaluation stage: predictions of the selected model on validation and test, AUROC with CIs,
+precision-recall, calibration, operating points, AUROC by subgroup, and Grad-CAM heatmaps scored
+against the release's boxes.
 
 The model arriving here was selected on validation by the fine-tuning stage; the test split is
 used once, here, and never for selection. Operating points are chosen on validation (Youden's J)
-and then applied to test.
+and then applied to test; a threshold resting on few validation positives is flagged.
 """
 from __future__ import annotations
 
@@ -13,13 +15,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from chexflow.config import EvaluateConfig
 from chexflow.data import loader
-from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc, mean_auroc, operating_point, youden_threshold
+from chexflow.evaluate import localisation, saliency, subgroups
+from chexflow.evaluate.config import EvaluateConfig
+from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, operating_point,
+                                       positives, precision_recall, youden_threshold)
 from chexflow.evaluate.published import CHEXNET
 from chexflow.fsutil import atomic_path, write_text_atomic
-from chexflow.train.checkpoint import load_model_file
-from chexflow.train.models import build_model
+from chexflow.train.checkpoint import load_model
+from chexflow.train.config import TrainConfig
 
 
 def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
@@ -37,17 +41,40 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
     return np.concatenate(scores), np.concatenate(targets), patients, images
 
 
-def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path) -> dict:
+def expected_run_ids(train_cfgs: list[TrainConfig], pretrained: Path | None) -> set[str]:
+    """The run ids a model to evaluate may carry: those of the training settings that should have
+    produced it (the finetune section; the sweep's trials) with its pretraining model."""
+    from chexflow.train.trainer import run_id
+    for c in train_cfgs:
+        if c.init == "pretrained" and pretrained is None:
+            raise ValueError(f"{c.stage}.init is pretrained: the pretraining model is needed to compute the "
+                             "expected run id of the model (--pretrained)")
+    return {run_id(c, pretrained) for c in train_cfgs}
+
+
+def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
+        expect_run_ids: set[str] | None = None, label_table: Path | None = None, boxes: Path | None = None,
+        box_frame: int | None = None, heatmaps: bool = True) -> dict:
+    """Evaluate the model file ``model_path`` on the test split of ``manifest`` into ``out_dir``. The
+    file must be a multi-label model of the manifest's labels and, with ``expect_run_ids``, carry one
+    of those run ids (a stale model of other settings is refused naming both). ``label_table``: the
+    release's label table (subgroups); ``boxes``: its box list in pixels of ``box_frame`` px square
+    images (localisation scores; heatmaps of the top true/false positives are drawn either way).
+    ``heatmaps`` False: no Grad-CAM at all (the ablation's runs: the report shows the main model's)."""
+    if boxes is not None and box_frame is None:
+        raise ValueError(f"{boxes}: the box list needs the side of the images its boxes refer to (box_frame)")
     out_dir = Path(out_dir)
-    info = load_model_file(model_path)
-    if info.get("task") != "multilabel":
-        raise ValueError(f"{model_path}: evaluation expects the fine-tuned multi-label model, got task {info.get('task')!r}")
+    expect = {"task": "multilabel", "labels": list(loader.read_manifest(manifest)["labels"])}
+    if expect_run_ids is not None:
+        ids = sorted(expect_run_ids)
+        expect["run_id"] = ids[0] if len(ids) == 1 else frozenset(ids)
+    else:
+        print(f"{model_path}: run id not checked (no training settings given)", flush=True)
+    model, info = load_model(model_path, expect=expect)
     labels = list(info["labels"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
-    model.load_state_dict(info["state_dict"])
     model.to(device)
-    crop = int(info.get("crop", cfg.crop))
+    crop = info["crop"]
 
     val = predict(model, loader.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
     test = predict(model, loader.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)
@@ -58,24 +85,150 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
     defined = [label for label in labels if per_label[label] is not None]
     result = {"labels": {}, "mean_auroc": mean_auroc(per_label), "mean_auroc_labels": defined,
               "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
-              "n_patients": int(len(set(patients))), "model": str(model_path),
+              "n_patients": int(len(set(patients))), "model": str(model_path), "model_run_id": info["run_id"],
+              "model_run_id_checked": expect_run_ids is not None,
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
+              "model_arch": info.get("arch"), "model_init": (info.get("config") or {}).get("init"),
+              "model_seed": (info.get("config") or {}).get("seed"),
               "bootstrap": {"n_resamples": cfg.bootstrap_resamples, "seed": cfg.seed,
-                            "mean_auroc_ci": boot.get("mean_auroc_ci")}}
-    vs, vy = val[0], val[1]
+                            "mean_auroc_ci": boot.get("mean_auroc_ci"),
+                            "mean_resamples_used": boot["mean_auroc"]["n_resamples_used"],
+                            "mean_rule": boot["mean_auroc"]["rule"]},
+              "min_val_positives": cfg.min_val_positives, "calibration_bins": cfg.calibration_bins}
     for j, label in enumerate(labels):
-        known = ~np.isnan(y[:, j])
-        entry = {"auroc": per_label[label], "n_pos": int((y[known, j] == 1).sum()),
-                 "n_neg": int((y[known, j] == 0).sum()),
-                 "ci": boot.get("labels", {}).get(label, {}).get("ci"), "chexnet": CHEXNET.get(label)}
-        vknown = ~np.isnan(vy[:, j])
-        if len(np.unique(vy[vknown, j])) == 2 and len(np.unique(y[known, j])) == 2:
-            thr = youden_threshold(vy[vknown, j], vs[vknown, j])
-            entry["threshold_val_youden"] = float(thr)
-            entry["test_operating_point"] = operating_point(y[known, j], s[known, j], thr)
-        result["labels"][label] = entry
+        result["labels"][label] = _label_entry(cfg, label, y[:, j], s[:, j], patients, val, j, per_label[label],
+                                               boot.get("labels", {}).get(label, {}).get("ci"))
+
+    if label_table is not None:
+        fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
+        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_subgroup_count,
+                               "groups": subgroups.subgroup_aurocs(
+                                   y, s, np.asarray(patients), labels, fields, age_edges=cfg.age_bands,
+                                   min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples,
+                                   seed=cfg.seed)}
+    stored = int(loader.read_manifest(Path(manifest)).get("image_size") or crop)
+    heat = _saliency(cfg, model, info, labels, test, result, manifest=Path(manifest), crop=crop, stored=stored,
+                     boxes=boxes, box_frame=box_frame, device=device) if heatmaps else _NO_HEATMAPS
+    result["localisation"] = heat["summary"]
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    _write_tables(out_dir, result, labels, test, heat)
+    write_text_atomic(out_dir / "metrics.json", json.dumps(result, indent=1, default=float))
+    return result
+
+
+# --------------------------------------------------------------------------- per finding
+
+def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray, patients: list[str],
+                 val: tuple, j: int, auroc: float | None, ci: list | None) -> dict:
+    """A finding's AUROC, CI, positives, AUPRC, calibration and the validation-chosen operating point."""
+    known = ~np.isnan(yj)
+    test_pos = positives(yj, patients)
+    entry = {"auroc": auroc, "n_pos": test_pos["images"], "n_neg": int((yj[known] == 0).sum()),
+             "n_pos_patients": test_pos["patients"], "ci": ci, "chexnet": CHEXNET.get(label)}
+    if len(np.unique(yj[known])) == 2:
+        pr = precision_recall(yj, sj)
+        entry.update(auprc=pr["auprc"], prevalence=pr["prevalence"],
+                     calibration=calibration(yj, sj, n_bins=cfg.calibration_bins))
+    vs, vy, vpatients = val[0][:, j], val[1][:, j], val[2]
+    vknown = ~np.isnan(vy)
+    vpos = positives(vy, vpatients)
+    entry["val_positives"] = vpos["images"]
+    entry["val_positive_patients"] = vpos["patients"]
+    if len(np.unique(vy[vknown])) == 2 and len(np.unique(yj[known])) == 2:
+        thr = youden_threshold(vy[vknown], vs[vknown])
+        entry["threshold_val_youden"] = float(thr)
+        entry["test_operating_point"] = operating_point(yj[known], sj[known], thr)
+        # the evidence the threshold rests on: images of one patient are not independent
+        entry["threshold_few_positives"] = min(vpos["images"], vpos["patients"]) < cfg.min_val_positives
+    return entry
+
+
+# --------------------------------------------------------------------------- heatmaps and localisation
+
+def inputs_of(shards, wanted: set[str], *, crop: int, batch_size: int, device) -> dict[str, torch.Tensor]:
+    """The evaluation inputs (normalised [1, crop, crop], as ``predict`` feeds them) of the images in
+    ``wanted``: a second pass over the split's shards, keeping only those."""
+    stream = loader.ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
+    out: dict[str, torch.Tensor] = {}
+    for x, _, ids in loader.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False):
+        keep = [k for k, i in enumerate(ids) if i.image in wanted]
+        if keep:
+            z = loader.gpu_augment(x[keep].to(device), out_size=crop, train=False, cfg=None, generator=None)
+            out.update({ids[k].image: z[n].cpu() for n, k in enumerate(keep)})
+    return out
+
+
+def _gallery_pairs(cfg: EvaluateConfig, labels: list[str], s: np.ndarray, y: np.ndarray, result: dict) -> list:
+    """(image index, finding index, kind) of the top-k true and false positives per finding at the
+    validation-chosen threshold (highest score first)."""
+    pairs = []
+    for j, label in enumerate(labels):
+        thr = result["labels"][label].get("threshold_val_youden")
+        if thr is None or cfg.saliency.top_k == 0:
+            continue
+        order = np.argsort(-s[:, j], kind="stable")
+        for kind, truth in (("TP", 1.0), ("FP", 0.0)):
+            chosen = [i for i in order if y[i, j] == truth and s[i, j] >= thr][:cfg.saliency.top_k]
+            pairs += [(int(i), j, kind) for i in chosen]
+    return pairs
+
+
+def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: tuple, result: dict, *,
+              manifest: Path, crop: int, stored: int, boxes: Path | None, box_frame: int | None, device) -> dict:
+    """Grad-CAM of the gallery (top true/false positives) and of every test image with a reference box
+    of a finding it is positive for; the pointing game and IoBB of the latter, per finding."""
+    from chexflow.data import nih
+    s, y, patients, images = test
+    index = {name: i for i, name in enumerate(images)}
+    name, layer, side = saliency.choose_layer(model, crop=crop, in_channels=info["in_channels"],
+                                              min_side=cfg.saliency.min_side, device=device, layer=cfg.saliency.layer)
+    summary: dict = {"method": "Grad-CAM (Captum LayerGradCam)", "layer": name, "layer_side": side, "crop": crop,
+                     "level": localisation.HEATMAP_LEVEL, "boxes": None, "labels": {}}
+    ref: dict[tuple[int, int], list] = {}
+    if boxes is not None:
+        frame = localisation.Frame(width=box_frame, height=box_frame, stored=stored, crop=crop)
+        table = nih.read_box_list(Path(boxes), frame=box_frame)
+        in_test = table[table["image"].isin(index)]
+        outside = 0
+        for row in in_test.itertuples(index=False):
+            i, j = index[row.image], labels.index(row.label)
+            mapped = localisation.to_eval_frame((row.x, row.y, row.w, row.h), frame)
+            if mapped is None:
+                outside += 1
+            elif y[i, j] == 1:
+                ref.setdefault((i, j), []).append(mapped)
+        summary["boxes"] = {"file": str(boxes), "frame": box_frame, "stored": stored, "n_boxes": int(len(table)),
+                            "n_test_boxes": int(len(in_test)), "n_outside_crop": outside,
+                            "findings": sorted(set(table["label"]), key=labels.index)}
+    gallery = _gallery_pairs(cfg, labels, s, y, result)
+    pairs = sorted(set(ref) | {(i, j) for i, j, _ in gallery})
+    wanted = {images[i] for i, _ in pairs}
+    inputs = inputs_of(loader.split_shards(manifest, "test"), wanted, crop=crop, batch_size=cfg.batch_size,
+                       device=device)
+    x = torch.stack([inputs[images[i]] for i, _ in pairs]) if pairs else torch.zeros(0, 1, crop, crop)
+    maps = saliency.gradcam(model, layer, x, [j for _, j in pairs], batch_size=cfg.saliency.batch_size)
+    heat = dict(zip(pairs, maps))
+    scored = []
+    for (i, j), found in sorted(ref.items()):
+        row = localisation.score(heat[(i, j)], found)
+        scored.append({"image": images[i], "patient": patients[i], "label": labels[j], "score": float(s[i, j]),
+                       **{k: row[k] for k in ("hit", "flat", "iobb", "random_point", "centre_hit")},
+                       "point_x": row["point"][0], "point_y": row["point"][1], "n_boxes": len(found)})
+    if boxes is not None:
+        for j, label in enumerate(labels):
+            if label in summary["boxes"]["findings"]:
+                summary["labels"][label] = localisation.summarise([r for r in scored if r["label"] == label])
+    return {"summary": summary, "scored": scored, "gallery": gallery, "heat": heat, "inputs": inputs, "ref": ref}
+
+
+_NO_HEATMAPS = {"summary": None, "scored": [], "gallery": [], "heat": {}, "inputs": {}, "ref": {}}
+
+
+# --------------------------------------------------------------------------- files
+
+def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, heat: dict) -> None:
+    s, y, patients, images = test
     cols = {"image": images, "patient": patients}
     for j, label in enumerate(labels):
         cols[label] = y[:, j]
@@ -92,5 +245,46 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path)
                  "chexnet": result["chexnet_mean_same_labels"]})
     with atomic_path(out_dir / "auroc.csv") as tmp:
         pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
-    write_text_atomic(out_dir / "metrics.json", json.dumps(result, indent=1, default=float))
-    return result
+    _csv(out_dir / "calibration.csv", [
+        {"label": L, "auprc": e.get("auprc"), "prevalence": e.get("prevalence"),
+         "brier": (e.get("calibration") or {}).get("brier"), "ece": (e.get("calibration") or {}).get("ece"),
+         "threshold_val_youden": e.get("threshold_val_youden"), "val_positives": e["val_positives"],
+         "val_positive_patients": e["val_positive_patients"],
+         "threshold_few_positives": e.get("threshold_few_positives"),
+         **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")}}
+        for L, e in result["labels"].items()])
+    _csv(out_dir / "subgroups.csv", [
+        {"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
+         "label": L, "auroc": e["auroc"], "ci_low": (e["ci"] or [None, None])[0],
+         "ci_high": (e["ci"] or [None, None])[1],
+         "n_pos": e["n_pos"], "n_neg": e["n_neg"], "note": e["note"]}
+        for g in (result.get("subgroups") or {}).get("groups", []) for L, e in g["labels"].items()])
+    if heat["summary"] is not None:
+        _csv(out_dir / "localisation.csv", heat["scored"], LOCALISATION_COLUMNS)
+        _write_gallery(out_dir / "saliency.npz", heat, labels, test)
+
+
+LOCALISATION_COLUMNS = ("image", "patient", "label", "score", "hit", "flat", "iobb", "random_point", "centre_hit",
+                        "point_x", "point_y", "n_boxes")
+
+
+def _csv(path: Path, rows: list[dict], columns: tuple[str, ...] | None = None) -> None:
+    with atomic_path(path) as tmp:
+        pd.DataFrame(rows, columns=list(columns) if columns else None).to_csv(tmp, index=False, float_format="%.6g")
+
+
+def _write_gallery(path: Path, heat: dict, labels: list[str], test: tuple) -> None:
+    """The gallery's inputs (normalised, as the model saw them), heatmaps and boxes (plain arrays and
+    JSON text: the report reads them with ``allow_pickle=False``)."""
+    s, y, patients, images = test
+    gallery = heat["gallery"]
+    meta = [{"image": images[i], "label": labels[j], "kind": kind, "score": float(s[i, j]),
+             "boxes": [list(b) for b in heat["ref"].get((i, j), [])]} for i, j, kind in gallery]
+    crop = heat["summary"]["crop"]
+    arrays = {"inputs": np.asarray([heat["inputs"][images[i]][0].numpy() for i, _, _ in gallery],
+                                   np.float16).reshape(-1, crop, crop),
+              "heatmaps": np.asarray([heat["heat"][(i, j)] for i, j, _ in gallery], np.float16).reshape(-1, crop, crop),
+              "meta": np.array(json.dumps(meta))}
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            np.savez_compressed(fh, **arrays)

@@ -27,12 +27,12 @@ import yaml
 from sklearn.metrics import auc, roc_curve
 
 from chexflow.evaluate import published
-from chexflow.evaluate.metrics import operating_point, paired_bootstrap_auroc_diff, youden_threshold
+from chexflow.evaluate.metrics import (operating_point, paired_bootstrap_auroc_diff, paired_bootstrap_over_seeds,
+                                       precision_recall, youden_threshold)
 from chexflow.fsutil import write_text_atomic
 from chexflow.report import plots
-from chexflow.studies import ablation
 
-__all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions"]
+__all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions", "INPUTS"]
 
 SYNTHETIC_BANNER = ("These results are on the embedded SYNTHETIC demo data (phantoms, not real radiographs): "
                     "the numbers say nothing about real chest X-ray performance.")
@@ -45,6 +45,21 @@ PROVENANCE_PACKAGES = ("torch", "torchvision", "horovod", "snakemake", "scikit-l
 EPOCH_KEYS = ("epoch", "train_loss", "val_loss", "val_metric", "val_metric_name", "lr", "images_per_sec",
               "epoch_time_s", "world_size")
 TEMPLATE_NAME = "report.html.j2"
+MODEL_CARD_TEMPLATE = "model_card.md.j2"
+
+# The structure of the report's inputs (``--inputs-json``; the workflow's report_input_tree): a
+# section's files by name. None: any name (benchmarks: stage -> TSV; ablation: run -> its files).
+INPUTS: dict[str, tuple[str, ...] | None] = {
+    "evaluation": ("metrics", "predictions", "saliency"),
+    "training": ("pretrain", "finetune"),
+    "manifests": ("pretrain", "finetune"),
+    "benchmarks": None,
+    "ablation": None,
+    "scaling": ("table", "plot"),
+    "sweep": ("table", "selection", "metrics"),
+}
+REQUIRED_INPUTS = (("evaluation", "metrics"), ("training", "pretrain"), ("training", "finetune"))
+ABLATION_RUN_FILES = ("metrics", "predictions", "training")
 
 
 class ReportInputError(ValueError):
@@ -156,12 +171,32 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
         }
     boot = data.get("bootstrap") if isinstance(data.get("bootstrap"), dict) else {}
     mean_ci = _ci_pair(data.get("mean_auroc_ci", boot.get("mean_auroc_ci")), path, "mean_auroc_ci")
+    for key in ("subgroups", "localisation"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise ReportInputError(f"{path}: {key} must be an object")
+    epoch = data.get("model_epoch")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
+        raise ReportInputError(f"{path}: model_epoch must be an integer, got {epoch!r}")
     return {
         "labels": labels,
         "mean_auroc": _number_or_none(data["mean_auroc"], path, "mean_auroc"),
         "mean_auroc_ci": mean_ci if mean_ci and None not in mean_ci else None,
         "n_images": data["n_images"],
         "n_patients": data["n_patients"],
+        # what newer evaluations add (absent keys: the section says nothing)
+        "raw_labels": {label: entry for label, entry in data["labels"].items()},
+        "model_epoch": epoch,
+        "model_val_metric": _number_or_none(data.get("model_val_metric"), path, "model_val_metric"),
+        "model_init": data.get("model_init"),
+        "model_arch": data.get("model_arch"),
+        "model_seed": data.get("model_seed"),
+        "mean_rule": boot.get("mean_rule"),
+        "mean_resamples_used": boot.get("mean_resamples_used"),
+        "n_resamples": boot.get("n_resamples"),
+        "min_val_positives": data.get("min_val_positives"),
+        "calibration_bins": data.get("calibration_bins"),
+        "subgroups": data.get("subgroups"),
+        "localisation": data.get("localisation"),
     }
 
 
@@ -261,16 +296,30 @@ class AurocRow:
     n_neg: Any
     chexnet: float | None
     wang: float | None
+    n_pos_patients: Any = None
+    synthetic: bool = False          # published numbers for orientation only: no difference
 
     @property
     def diff(self) -> float | None:
-        return None if self.ours is None or self.chexnet is None else self.ours - self.chexnet
+        if self.synthetic or self.ours is None or self.chexnet is None:
+            return None
+        return self.ours - self.chexnet
+
+    @property
+    def chance_note(self) -> str:
+        """Below 0.5: whether the CI says worse than chance or cannot tell."""
+        if self.ours is None or self.ours >= 0.5:
+            return ""
+        if self.ci_high is not None and self.ci_high < 0.5:
+            return "below chance (CI below 0.5)"
+        return "below 0.5, CI includes chance" if self.ci_low is not None else "below 0.5, no CI"
 
 
-def _auroc_rows(metrics: dict[str, Any]) -> list[AurocRow]:
+def _auroc_rows(metrics: dict[str, Any], *, synthetic: bool = False) -> list[AurocRow]:
     return [AurocRow(label=lab, display=plots.display_name(lab), ours=e["auroc"], ci_low=e["ci_low"],
                      ci_high=e["ci_high"], n_pos=e["n_pos"], n_neg=e["n_neg"],
-                     chexnet=published.CHEXNET_AUROC.get(lab), wang=published.WANG2017_AUROC.get(lab))
+                     chexnet=published.CHEXNET_AUROC.get(lab), wang=published.WANG2017_AUROC.get(lab),
+                     n_pos_patients=metrics["raw_labels"][lab].get("n_pos_patients"), synthetic=synthetic)
             for lab, e in metrics["labels"].items()]
 
 
@@ -279,7 +328,7 @@ def _mean(values: list[float | None]) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
-def _mean_row(rows: list[AurocRow], metrics: dict[str, Any]) -> dict[str, Any]:
+def _mean_row(rows: list[AurocRow], metrics: dict[str, Any], *, synthetic: bool = False) -> dict[str, Any]:
     defined = [r for r in rows if r.ours is not None]
     chexnet = _mean([r.chexnet for r in defined])
     ours = metrics["mean_auroc"]
@@ -287,8 +336,9 @@ def _mean_row(rows: list[AurocRow], metrics: dict[str, Any]) -> dict[str, Any]:
     return {
         "ours": ours, "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
         "chexnet": chexnet, "wang": _mean([r.wang for r in defined]),
-        "diff": None if ours is None or chexnet is None else ours - chexnet,
-        "n_defined": len(defined), "n_labels": len(rows),
+        "diff": None if synthetic or ours is None or chexnet is None else ours - chexnet,
+        "n_defined": len(defined), "n_labels": len(rows), "rule": metrics.get("mean_rule"),
+        "resamples_used": metrics.get("mean_resamples_used"), "n_resamples": metrics.get("n_resamples"),
     }
 
 
@@ -358,7 +408,8 @@ def _run_view(config: dict[str, Any], manifests: dict[str, dict[str, Any]], pret
     return {"subtitle": subtitle, "stages": stages, "pilot_banner": pilot}
 
 
-def _training_view(epochs: list[dict[str, Any]], title: str) -> dict[str, Any]:
+def _training_view(epochs: list[dict[str, Any]], title: str, *, tested: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``tested``: the evaluation's metrics of the model file (which epoch was tested)."""
     last = epochs[-1]
     total = sum(float(e.get("epoch_time_s") or 0.0) for e in epochs)
     metric_name = str(last.get("val_metric_name") or "val_metric")
@@ -375,6 +426,8 @@ def _training_view(epochs: list[dict[str, Any]], title: str) -> dict[str, Any]:
         "best_epoch": None if best is None else best["epoch"],
         "mean_images_per_sec": _mean([e.get("images_per_sec") for e in epochs]),
         "rows": [{k: e.get(k) for k in EPOCH_KEYS} for e in epochs],
+        "tested_epoch": None if tested is None else tested.get("model_epoch"),
+        "tested_metric": None if tested is None else tested.get("model_val_metric"),
     }
 
 
@@ -406,9 +459,13 @@ def _roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any
                 if op and op.get("sensitivity") is not None and op.get("specificity") is not None:
                     dot = (1.0 - op["specificity"], op["sensitivity"])
                 curves[lab] = (fpr, tpr, float(auc(fpr, tpr)), dot)
-        ops.append({"display": plots.display_name(lab), "op": op})
+        raw = metrics["raw_labels"][lab]
+        ops.append({"display": plots.display_name(lab), "op": op, "val_pos": raw.get("val_positives"),
+                    "val_pos_patients": raw.get("val_positive_patients"),
+                    "few": bool(raw.get("threshold_few_positives")) and source == "validation"})
     return {"plot": plots.roc_grid(curves) if curves else None, "operating_points": ops,
-            "threshold_source": source,
+            "threshold_source": source, "min_val_positives": metrics.get("min_val_positives"),
+            "n_few": sum(o["few"] for o in ops),
             "n_images": None if df is None else int(len(df)),
             "n_patients": None if df is None else int(df["patient"].nunique())}
 
@@ -442,10 +499,47 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def _template() -> jinja2.Template:
-    template_file = resources.files("chexflow.report").joinpath("templates").joinpath(TEMPLATE_NAME)
+def _template(name: str = TEMPLATE_NAME, *, html: bool = True) -> jinja2.Template:
+    template_file = resources.files("chexflow.report").joinpath("templates").joinpath(name)
     source = template_file.read_text(encoding="utf-8")
-    return _environment().from_string(source)
+    env = _environment()
+    env.autoescape = html          # the model card is Markdown: no HTML escaping
+    return env.from_string(source)
+
+
+def _limitations(ctx: dict[str, Any]) -> list[str]:
+    """What the run itself shows about the limits of its numbers (the report's and the model card's list)."""
+    out = []
+    if ctx["synthetic_datasets"]:
+        out.append("Trained and tested on synthetic phantoms: the numbers say nothing about real radiographs.")
+    if ctx["run"]["pilot_banner"]:
+        out.append("A pilot on part of the release: not comparable with published results.")
+    undefined = [r.display for r in ctx["rows"] if r.ours is None]
+    if undefined:
+        out.append(f"No test AUROC for {', '.join(undefined)}: a single class in the test split.")
+    weak = [r.display for r in ctx["rows"] if r.ci_low is not None and r.ci_low <= 0.5]
+    if weak:
+        out.append(f"The AUROC CI includes chance (0.5) or lies below it for {', '.join(weak)}.")
+    roc = ctx["roc"]
+    if roc and roc.get("n_few"):
+        few = [o["display"] for o in roc["operating_points"] if o["few"]]
+        out.append(f"Operating points of {', '.join(few)} rest on fewer than {roc['min_val_positives']} validation "
+                   "positives (images or patients): their thresholds are unstable.")
+    loc = ctx["localisation"]
+    if loc and loc["elsewhere"]:
+        out.append(f"{', '.join(loc['elsewhere'])}: the AUROC is above chance, but the heatmaps do not point at the "
+                   "finding more often than chance: the model may rest on other cues.")
+    sub = ctx["subgroups"]
+    if sub:
+        small = [f"{g['attribute_name'].lower()} {g['group']}" for g in sub["groups"]
+                 if g["group"] != "unknown" and g["mean_ci"] is None]
+        if small:
+            out.append(f"Subgroups too small for a CI: {', '.join(small)}.")
+    abl = ctx["ablation"]
+    if abl and len(abl["seeds"]) == 1:
+        out.append("The ablation rests on one training seed per arm: its CI covers the test patients, not training "
+                   "randomness (ablation.seeds runs several).")
+    return out
 
 
 # --------------------------------------------------------------------------- optional studies
@@ -510,121 +604,263 @@ def _sweep_view(table_csv: Path, selection_json: Path, winner_metrics: Path | No
             "test_mean_auroc_ci": None if test is None else test["mean_auroc_ci"]}
 
 
-def _ablation_view(main: dict[str, Any], other: dict[str, Any], config: dict,
-                   main_predictions: pd.DataFrame | None = None,
-                   other_predictions: pd.DataFrame | None = None) -> dict[str, Any]:
-    """Pretrained vs random init; with both runs' predictions, the paired patient-bootstrap CI of the
-    difference of test mean AUROC (pretrained - random) on the same images, and its verdict."""
-    main_init, other_init = ablation.main_init(config), ablation.other_init(config)
+# --------------------------------------------------------------------------- the inputs, as one structure
+def check_inputs(tree: Any) -> dict[str, Any]:
+    """The report's inputs (``INPUTS``) with every file as a ``Path``; an unknown section or name, a
+    missing required input or a value that is not a path fails naming it."""
+    if not isinstance(tree, dict):
+        raise ReportInputError(f"report inputs: expected an object of sections {list(INPUTS)}, "
+                               f"got {type(tree).__name__}")
+    out: dict[str, Any] = {}
+    for section, files in tree.items():
+        if section not in INPUTS:
+            raise ReportInputError(f"report inputs: unknown section {section!r}; known: {list(INPUTS)}")
+        if not isinstance(files, dict):
+            raise ReportInputError(f"report inputs: {section} must be an object name -> path")
+        names = INPUTS[section]
+        if section == "ablation":
+            out[section] = {run: _run_files(run, f) for run, f in files.items()}
+            continue
+        unknown = sorted(set(files) - set(names)) if names is not None else []
+        if unknown:
+            raise ReportInputError(f"report inputs: unknown {section} input(s) {unknown}; known: {list(names)}")
+        out[section] = {name: _path(f"{section}.{name}", v) for name, v in files.items()}
+    for section, name in REQUIRED_INPUTS:
+        if name not in out.get(section, {}):
+            raise ReportInputError(f"report inputs: {section}.{name} is required")
+    return out
+
+
+def _path(key: str, value: Any) -> Path:
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise ReportInputError(f"report inputs: {key} must be a path, got {value!r}")
+    return Path(value)
+
+
+def _run_files(run: str, files: Any) -> dict[str, Path]:
+    if not isinstance(files, dict) or set(files) != set(ABLATION_RUN_FILES):
+        raise ReportInputError(f"report inputs: ablation.{run} must name exactly {list(ABLATION_RUN_FILES)}")
+    return {k: _path(f"ablation.{run}.{k}", v) for k, v in files.items()}
+
+
+# --------------------------------------------------------------------------- ablation
+def _arm_name(init: str) -> str:
     names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}
-    rows = []
-    for init, m, where in ((main_init, main, "results/evaluate"), (other_init, other, "results/ablation/evaluate")):
-        ci = m["mean_auroc_ci"]
-        rows.append({"name": names.get(init, init), "init": init, "mean_auroc": m["mean_auroc"],
-                     "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None, "where": where})
-    by_init = {r["init"]: r["mean_auroc"] for r in rows}
-    diff = None
-    if by_init.get("pretrained") is not None and by_init.get("random") is not None:
-        diff = by_init["pretrained"] - by_init["random"]
-    per_label = [{"display": plots.display_name(lab), "main": main["labels"][lab]["auroc"],
-                  "other": other["labels"].get(lab, {}).get("auroc")} for lab in main["labels"]]
-    paired = None
-    if main_predictions is not None and other_predictions is not None:
-        paired = _paired_gain(main_predictions, other_predictions, list(main["labels"]), config,
-                              main_is_pretrained=main_init == "pretrained")
-    return {"rows": rows, "diff": diff, "per_label": per_label, "main_init": main_init, "other_init": other_init,
-            "paired": paired}
+    return names.get(init, init)
 
 
-def _paired_gain(main: pd.DataFrame, other: pd.DataFrame, labels: list[str], config: dict, *,
-                 main_is_pretrained: bool) -> dict[str, Any]:
-    """Gain of pretraining (pretrained - random test mean AUROC) with its paired bootstrap CI."""
-    key = ["image", "patient"]
-    if len(main) != len(other) or set(map(tuple, main[key].to_numpy())) != set(map(tuple, other[key].to_numpy())):
-        raise ReportInputError("the ablation's predictions.csv holds other test images than the main run's: "
-                               "the paired comparison needs the same test split")
-    other = other.set_index("image").loc[main["image"]].reset_index()
-    pre, rnd = (main, other) if main_is_pretrained else (other, main)
+def _ablation_view(runs: dict[str, dict[str, Path]], labels: list[str], config: dict,
+                   main_metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """Pretrained vs random init, per training seed and over seeds: each run's test mean AUROC and
+    tested epoch, the paired patient-bootstrap CI of the gain on the same images, per finding with CIs."""
+    loaded = []
+    for name, files in runs.items():
+        m = load_metrics_json(files["metrics"])
+        init, seed = m["model_init"], m["model_seed"]
+        if init not in ("pretrained", "random") or seed is None:
+            raise ReportInputError(f"{files['metrics']}: names no init/seed of its model (model_init, model_seed)")
+        loaded.append({"name": name, "init": init, "seed": int(seed), "metrics": m, "files": files,
+                       "predictions": load_predictions(files["predictions"], labels),
+                       "epochs": load_metrics_jsonl(files["training"], f"ablation run {name}")})
+    by = {(r["init"], r["seed"]): r for r in loaded}
+    seeds = sorted({r["seed"] for r in loaded if ("pretrained", r["seed"]) in by and ("random", r["seed"]) in by})
+    if not seeds:
+        raise ReportInputError("the ablation's runs hold no seed with both arms (pretrained and random)")
     ev = config.get("evaluate") or {}
-    res = paired_bootstrap_auroc_diff(main[labels].to_numpy(float), pre[[f"{lab}_score" for lab in labels]].to_numpy(float),
-                                      rnd[[f"{lab}_score" for lab in labels]].to_numpy(float), main["patient"].to_numpy(),
-                                      labels, n_resamples=int(ev.get("bootstrap_resamples", 1000)),
-                                      seed=int(ev.get("seed", 0)))
-    lo, hi = res["ci"] if res["ci"] else (None, None)
-    if lo is not None and lo > 0:
-        verdict = "helps"
-    elif hi is not None and hi < 0:
-        verdict = "hurts"
-    else:
-        verdict = "inconclusive"
-    return {**res, "ci_low": lo, "ci_high": hi, "verdict": verdict}
+    boot = {"n_resamples": int(ev.get("bootstrap_resamples", 1000)), "seed": int(ev.get("seed", 0))}
+    ref = by[("pretrained", seeds[0])]["predictions"]
+    pairs = [(_aligned(ref, by[("pretrained", s)]), _aligned(ref, by[("random", s)])) for s in seeds]
+    y = ref[labels].to_numpy(float)
+    cols = [f"{lab}_score" for lab in labels]
+    scores = [(p[cols].to_numpy(float), r[cols].to_numpy(float)) for p, r in pairs]
+    per_seed = []
+    for s_, (a, b) in zip(seeds, scores):
+        res = paired_bootstrap_auroc_diff(y, a, b, ref["patient"].to_numpy(), labels, **boot)
+        epochs = {init: by[(init, s_)]["metrics"]["model_epoch"] for init in ("pretrained", "random")}
+        per_seed.append({**res, "seed": s_, **_verdict(res["ci"]), "epochs": epochs})
+    over = paired_bootstrap_over_seeds(y, scores, ref["patient"].to_numpy(), labels, **boot) if len(seeds) > 1 else None
+    first = per_seed[0]
+    main_seed = main_metrics.get("model_seed")
+    main_init = main_metrics.get("model_init") or "pretrained"
+    other = next((r for r in loaded if r["init"] != main_init and r["seed"] == main_seed), None)
+    rows = [{"name": _arm_name(r["init"]), "init": r["init"], "seed": r["seed"],
+             "mean_auroc": r["metrics"]["mean_auroc"], "ci": r["metrics"]["mean_auroc_ci"], "epoch": r["metrics"]["model_epoch"],
+             "n_epochs": len(r["epochs"]), "where": str(r["files"]["metrics"].parent)}
+            for r in sorted(loaded, key=lambda r: (r["seed"], r["init"] != "pretrained"))]
+    return {
+        "rows": rows, "seeds": seeds, "per_seed": per_seed, "paired": first if len(seeds) == 1 else None,
+        "over_seeds": None if over is None else {**over, **_verdict(over["ci"], over["t_ci"])},
+        "per_label": [{"display": plots.display_name(lab), **first["labels"][lab]} for lab in first["labels_used"]],
+        "other_training": None if other is None else _training_view(
+            other["epochs"], f"Ablation: fine-tuning from {other['init']} init (seed {other['seed']})",
+            tested=other["metrics"]),
+        "main_init": main_init, "other_init": "random" if main_init == "pretrained" else "pretrained",
+    }
+
+
+def _aligned(ref: pd.DataFrame, run: dict[str, Any]) -> pd.DataFrame:
+    """``run``'s predictions in the row order of ``ref`` (the same test images, or an error)."""
+    other = run["predictions"]
+    key = ["image", "patient"]
+    if len(other) != len(ref) or set(map(tuple, other[key].to_numpy())) != set(map(tuple, ref[key].to_numpy())):
+        raise ReportInputError(f"{run['files']['predictions']}: the ablation's predictions.csv holds other test images "
+                               "than the main run's: the paired comparison needs the same test split")
+    return other.set_index("image").loc[ref["image"]].reset_index()
+
+
+def _verdict(ci: list | None, t_ci: list | None = None) -> dict[str, Any]:
+    """helps / hurts when the CI(s) lie above / below zero, else inconclusive."""
+    bounds = [c for c in (ci, t_ci) if c]
+    lo = min(c[0] for c in bounds) if bounds else None
+    hi = max(c[1] for c in bounds) if bounds else None
+    verdict = "helps" if lo is not None and lo > 0 else "hurts" if hi is not None and hi < 0 else "inconclusive"
+    return {"ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None, "verdict": verdict}
+
+
+# --------------------------------------------------------------------------- calibration, subgroups, localisation
+def _calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: list[str]) -> dict[str, Any] | None:
+    raw = metrics["raw_labels"]
+    rows = [{"display": plots.display_name(lab), "auprc": raw[lab].get("auprc"), "prevalence": raw[lab].get("prevalence"),
+             **{k: (raw[lab].get("calibration") or {}).get(k) for k in ("brier", "ece")}} for lab in labels]
+    if all(r["auprc"] is None for r in rows):
+        return None
+    curves = {}
+    if df is not None:
+        for lab in labels:
+            known = df[lab].notna()
+            t, sc = df.loc[known, lab].to_numpy(float), df.loc[known, f"{lab}_score"].to_numpy(float)
+            if np.unique(t).size == 2:
+                pr = precision_recall(t, sc)
+                curves[lab] = (np.asarray(pr["recall"]), np.asarray(pr["precision"]), pr["auprc"], pr["prevalence"])
+    bins = {lab: (raw[lab].get("calibration") or {}).get("bins") for lab in labels if raw[lab].get("calibration")}
+    return {"rows": rows, "pr_plot": plots.pr_grid(curves) if curves else None,
+            "reliability_plot": plots.reliability_grid(bins) if bins else None,
+            "n_bins": metrics.get("calibration_bins")}
+
+
+def _subgroup_view(metrics: dict[str, Any]) -> dict[str, Any] | None:
+    sub = metrics.get("subgroups")
+    if not sub:
+        return None
+    names = {"sex": "Sex", "age_band": "Age (years)", "view": "View position"}
+    groups = [{**g, "attribute_name": names.get(g["attribute"], g["attribute"]),
+               "details": [{"display": plots.display_name(lab), **e} for lab, e in g["labels"].items()]}
+              for g in sub["groups"] if g["group"] != "unknown" or g["n_images"]]
+    return {"groups": groups, "min_count": sub.get("min_count"), "age_bands": sub.get("age_bands")}
+
+
+def _localisation_view(metrics: dict[str, Any], saliency: Path | None, labels: list[str]) -> dict[str, Any] | None:
+    loc = metrics.get("localisation")
+    if not loc and saliency is None:
+        return None
+    loc = loc or {}
+    rows = []
+    for lab, e in (loc.get("labels") or {}).items():
+        ours = metrics["labels"].get(lab, {})
+        auroc_above = ours.get("ci_low") is not None and ours["ci_low"] > 0.5
+        rows.append({"display": plots.display_name(lab), **e, "auroc": ours.get("auroc"),
+                     "elsewhere": bool(auroc_above and e.get("n") and not e.get("above_chance"))})
+    gallery = _gallery(saliency, labels) if saliency is not None else None
+    return {**{k: loc.get(k) for k in ("method", "layer", "layer_side", "crop", "level")}, "boxes": loc.get("boxes"),
+            "rows": rows, "gallery": gallery, "elsewhere": [r["display"] for r in rows if r["elsewhere"]]}
+
+
+def _gallery(path: Path, labels: list[str]) -> list[dict[str, Any]]:
+    """The saliency gallery (saliency.npz of the evaluation): one overlay figure per finding."""
+    if not path.is_file():
+        raise ReportInputError(f"saliency gallery not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            inputs, heat = z["inputs"].astype(np.float32), z["heatmaps"].astype(np.float32)
+            meta = json.loads(str(z["meta"]))
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise ReportInputError(f"{path}: not a saliency gallery of chexflow evaluate ({exc})") from exc
+    if not (len(meta) == len(inputs) == len(heat)):
+        raise ReportInputError(f"{path}: {len(meta)} entries but {len(inputs)} inputs and {len(heat)} heatmaps")
+    out = []
+    for lab in labels:
+        idx = [k for k, m in enumerate(meta) if m.get("label") == lab]
+        if idx:
+            out.append({"display": plots.display_name(lab), "n": len(idx),
+                        "plot": plots.saliency_row([inputs[k] for k in idx], [heat[k] for k in idx],
+                                                   [meta[k] for k in idx])})
+    return out
 
 
 # --------------------------------------------------------------------------- entry point
-def render_report(out_html: Path, *, metrics_json: Path, predictions_csv: Path | None, pretrain_metrics: Path,
-                  finetune_metrics: Path, manifests: dict[str, Path], config: dict, provenance: dict,
-                  stage_benchmarks: dict[str, Path] | None = None, scaling_csv: Path | None = None,
-                  scaling_plot: Path | None = None, sweep_table: Path | None = None,
-                  sweep_selection: Path | None = None, sweep_metrics: Path | None = None,
-                  ablation_metrics: Path | None = None, ablation_predictions: Path | None = None) -> None:
-    """Write the self-contained HTML report to ``out_html`` (atomically).
+def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, provenance: dict,
+                  model_card: Path | None = None) -> None:
+    """Write the self-contained HTML report to ``out_html`` (atomically), and the model card to
+    ``model_card`` when given.
 
-    The study sections (scaling, sweep, ablation) appear when their inputs are given; with both runs'
-    predictions the ablation's gain gets its paired CI, also stated in the summary.
+    ``inputs``: the report's files as one structure (``INPUTS``; the workflow's report_input_tree);
+    a section appears for what is there (the studies switched on, the ablation's runs).
     """
     out_html = Path(out_html)
-    metrics = load_metrics_json(Path(metrics_json))
+    tree = check_inputs(inputs)
+    ev, tr = tree["evaluation"], tree["training"]
+    metrics = load_metrics_json(ev["metrics"])
     labels = list(metrics["labels"])
-    pretrain = load_metrics_jsonl(Path(pretrain_metrics), "pretraining")
-    finetune = load_metrics_jsonl(Path(finetune_metrics), "fine-tuning")
-    loaded = {name: load_manifest(Path(p), name) for name, p in manifests.items()}
-    datasets = [_dataset_view(name, m, Path(manifests[name])) for name, m in loaded.items()]
+    pretrain = load_metrics_jsonl(tr["pretrain"], "pretraining")
+    finetune = load_metrics_jsonl(tr["finetune"], "fine-tuning")
+    loaded = {}
+    for role, p in tree.get("manifests", {}).items():
+        m = load_manifest(p, role)
+        loaded[str(m.get("dataset", role))] = (m, p)
+    datasets = [_dataset_view(name, m, p) for name, (m, p) in loaded.items()]
+    manifests = {name: m for name, (m, _) in loaded.items()}
     synthetic = [d["name"] for d in datasets if d["synthetic"]]
-    benchmarks = [load_benchmark(Path(p), stage) for stage, p in (stage_benchmarks or {}).items()]
-    predictions = load_predictions(Path(predictions_csv), labels) if predictions_csv else None
+    benchmarks = [load_benchmark(p, stage) for stage, p in tree.get("benchmarks", {}).items()]
+    predictions = load_predictions(ev["predictions"], labels) if "predictions" in ev else None
     roc = _roc_view(predictions, labels, metrics)
 
-    if (sweep_table is None) != (sweep_selection is None):
+    sc, sw = tree.get("scaling"), tree.get("sweep")
+    if sw is not None and {"table", "selection"} - set(sw):
         raise ReportInputError("the sweep section needs both the sweep table and the selection JSON")
-    scaling_view = _scaling_view(Path(scaling_csv), Path(scaling_plot) if scaling_plot else None) if scaling_csv else None
-    sweep_view = _sweep_view(Path(sweep_table), Path(sweep_selection),
-                             Path(sweep_metrics) if sweep_metrics else None) if sweep_table else None
-    if ablation_predictions is not None and (ablation_metrics is None or predictions is None):
-        raise ReportInputError("the ablation's predictions need its metrics.json and the main run's predictions.csv")
-    ablation_view = _ablation_view(
-        metrics, load_metrics_json(Path(ablation_metrics)), config, predictions,
-        load_predictions(Path(ablation_predictions), labels) if ablation_predictions else None) if ablation_metrics else None
+    scaling_view = _scaling_view(sc["table"], sc.get("plot")) if sc else None
+    sweep_view = _sweep_view(sw["table"], sw["selection"], sw.get("metrics")) if sw else None
+    ablation_view = _ablation_view(tree["ablation"], labels, config, metrics) if tree.get("ablation") else None
 
-    rows = _auroc_rows(metrics)
+    rows = _auroc_rows(metrics, synthetic=bool(synthetic))
     prov = dict(provenance)
     prov.setdefault("packages", package_versions())
     prov.setdefault("git_commit", "unknown")
     packages = prov.pop("packages")
-
+    training = [_training_view(pretrain, "Pretraining"), _training_view(finetune, "Fine-tuning", tested=metrics)]
     context = {
         "title": "chexflow report",
         "generated_utc": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
         "synthetic_banner": SYNTHETIC_BANNER if synthetic else None,
-        "run": _run_view(config, loaded, pretrain, finetune),
+        "run": _run_view(config, manifests, pretrain, finetune),
         "synthetic_datasets": synthetic,
         "datasets": datasets,
         "benchmarks": benchmarks,
         "total_stage_time": _hms(sum(b["seconds"] for b in benchmarks)) if benchmarks else None,
         "metrics": metrics,
         "rows": rows,
-        "mean": _mean_row(rows, metrics),
+        "mean": _mean_row(rows, metrics, synthetic=bool(synthetic)),
+        "below_chance": [r for r in rows if r.ours is not None and r.ours < 0.5],
         "bars": plots.auroc_bars(labels, {r.label: r.ours for r in rows}, published.CHEXNET_AUROC,
                                  published.WANG2017_AUROC),
         "has_ci": any(r.ci_low is not None for r in rows),
         "roc": roc,
-        "training": [_training_view(pretrain, "Pretraining"), _training_view(finetune, "Fine-tuning")],
+        "calibration": _calibration_view(metrics, predictions, labels),
+        "subgroups": _subgroup_view(metrics),
+        "localisation": _localisation_view(metrics, ev.get("saliency"), labels),
+        "training": training,
+        "tested": {"epoch": metrics.get("model_epoch"), "val_metric": metrics.get("model_val_metric")},
         "scaling": scaling_view,
         "sweep": sweep_view,
         "ablation": ablation_view,
-        "published": [published.CHEXNET, published.WANG2017, *published.REPRODUCTIONS],
+        "published": list(published.PUBLISHED),
         "split_caveat": published.SPLIT_CAVEAT,
         "config_yaml": _yaml(config),
+        "config": config,
         "provenance": prov,
         "packages": packages,
     }
+    context["limitations"] = _limitations(context)
+    context["model_card_text"] = _template(MODEL_CARD_TEMPLATE, html=False).render(**context)
     write_text_atomic(out_html, _template().render(**context))
+    if model_card is not None:
+        write_text_atomic(Path(model_card), context["model_card_text"])

@@ -18,8 +18,9 @@ from typing import Any
 
 import pandas as pd
 
-from chexflow.config import ScalingConfig, TrainConfig
 from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.studies.config import ScalingConfig
+from chexflow.train.config import TrainConfig
 
 COLUMNS = ["world_size", "images_per_sec", "images_per_sec_per_rank", "speedup", "ideal_speedup",
            "efficiency", "time_per_epoch_s", "measured_epoch_s", "steps_per_rank", "batch_per_rank",
@@ -75,7 +76,9 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
     """
     from chexflow.data import loader as data
     from chexflow.train.backends import backend_for
-    from chexflow.train.trainer import Trainer, TrainPaths
+    from chexflow.train.inputs import TrainData
+    from chexflow.train.run import start
+    from chexflow.train.trainer import TrainPaths
 
     cfg = train_config(pretrain, scaling, world)
     out_dir = Path(out_dir)
@@ -90,13 +93,14 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
             os.environ["OMP_NUM_THREADS"] = str(max(1, job_threads // max(backend.local_size, 1)))
         if backend.is_root:         # a measurement is never resumed from an older run's checkpoint
             shutil.rmtree(paths.ckpt_dir, ignore_errors=True)
-        trainer = Trainer(cfg, paths, backend)
-        if trainer.steps_per_epoch != scaling.steps_per_rank:
-            raise ScalingError(f"the train split allows only {trainer.steps_per_epoch} steps of "
+        steps = TrainData.build(cfg, paths.manifest, rank=backend.rank, world=backend.size).steps_per_epoch
+        if steps != scaling.steps_per_rank:
+            raise ScalingError(f"the train split allows only {steps} steps of "
                                f"{scaling.batch_size} per rank on {world} ranks, the study needs "
                                f"{scaling.steps_per_rank}: lower scaling.steps_per_rank or batch_size")
-        code = trainer.fit()
-        if code == 0 and backend.is_root:
+        outcome = start(cfg, paths, backend=backend)
+        code = outcome.exit_code
+        if outcome.finished and backend.is_root:
             history = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             point = throughput_point(history, world=world, scaling=scaling,
                                      n_epoch_images=epoch_images(pretrain, data.read_manifest(manifest)))
@@ -110,7 +114,6 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
         backend.shutdown()
     if code:
         sys.exit(code)
-
 
 def summarize(points: list[dict]) -> pd.DataFrame:
     """One row per world size: speedup and efficiency relative to the smallest world size."""

@@ -11,22 +11,18 @@ trial). Only the winner is evaluated on test, once.
 """
 from __future__ import annotations
 
-import collections
 import copy
 import itertools
 import json
 import math
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chexflow.config import ConfigError, SweepConfig, TrainConfig, from_dict, to_dict, write_yaml_atomic
 from chexflow.fsutil import atomic_path, write_text_atomic
-from chexflow.train.lease import EXIT_LEASE_HELD
+from chexflow.settings import ConfigError, from_dict, write_yaml_atomic
+from chexflow.studies.config import SweepConfig
+from chexflow.train.config import TrainConfig
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -38,9 +34,6 @@ KEYS = ("optim.lr", "optim.weight_decay", "batch_size", "model.dropout", "freeze
 LOG_UNIFORM = {"optim.lr", "optim.weight_decay"}   # between min and max of the list (log if min > 0)
 CHOICE = {"batch_size", "freeze"}                   # one of the listed values
 # any other key (model.dropout): uniform between min and max of the list
-DIVERGED_MARKER = "diverged.json"                   # written by the trainer when the loss is NaN/inf
-# preempted / killed / another trainer holds the trial's checkpoint directory: not the trial's outcome
-INFRASTRUCTURE_EXITS = {143, 137, 130, -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT, EXIT_LEASE_HELD}
 
 
 class SweepError(ConfigError):
@@ -48,18 +41,12 @@ class SweepError(ConfigError):
 
 
 def space_of(cfg: SweepConfig) -> dict[str, tuple]:
-    """The swept keys (dotted) and their listed values; keys with an empty list are not swept."""
+    """The swept keys (dotted) and their listed values; keys with an empty list are not swept (the
+    values' ranges are the fields' of chexflow.studies.config.SweepSpace)."""
     s = cfg.space
     space = {"optim.lr": s.optim.lr, "optim.weight_decay": s.optim.weight_decay, "batch_size": s.batch_size,
              "model.dropout": s.model.dropout, "freeze": s.freeze}
-    space = {k: tuple(v) for k, v in space.items() if v}
-    for key, values in space.items():
-        bad = [v for v in values if (key == "optim.lr" and v <= 0) or (key == "optim.weight_decay" and v < 0)
-               or (key == "batch_size" and v < 1) or (key == "model.dropout" and not 0 <= v < 1)
-               or (key == "freeze" and v < 0)]
-        if bad:
-            raise SweepError(f"sweep.space.{key}: value(s) out of range: {bad}")
-    return space
+    return {k: tuple(v) for k, v in space.items() if v}
 
 
 def _short(x: float) -> float:
@@ -79,8 +66,6 @@ def expand_trials(cfg: SweepConfig) -> list[dict[str, Any]]:
         keys = list(space)
         trials = [dict(zip(keys, combo)) for combo in itertools.product(*(space[k] for k in keys))]
     else:
-        if cfg.n_trials < 1:
-            raise SweepError(f"sweep.n_trials: must be >= 1 for method random, got {cfg.n_trials}")
         import numpy as np
         rng = np.random.default_rng(cfg.seed)
         trials = []
@@ -134,56 +119,39 @@ def _best(history_file: Path) -> tuple[float | None, str | None, int | None]:
 
 def run_trial(finetune: dict, params: dict[str, Any], *, trial_id: str, launcher: list[str], ranks: int,
               manifest: Path, pretrained: Path | None, out_dir: Path) -> dict[str, Any]:
-    """Run one trial through ``launcher -n ranks chexflow train ...``; write and return result.json."""
+    """Run one trial (its ranks started through ``launcher``: chexflow.train.run.start); write and
+    return result.json."""
+    from chexflow.train.run import start
+    from chexflow.train.trainer import TrainPaths
     cfg = trial_config(finetune, params)
     for path in (manifest, pretrained) if cfg.init == "pretrained" else (manifest,):
         if path is None or not Path(path).is_file():
             raise SweepError(f"trial {trial_id}: input not found: {path}")
     out_dir = Path(out_dir)
-    for name in ("result.json", "model.pt", "metrics.jsonl", DIVERGED_MARKER):
+    for name in ("result.json", "model.pt", "metrics.jsonl"):
         (out_dir / name).unlink(missing_ok=True)
     write_yaml_atomic(cfg, out_dir / "trial_config.yaml")
-    cmd = [*launcher, "-n", str(ranks), "chexflow", "train", "--config-json", json.dumps(to_dict(cfg)),
-           "--manifest", str(manifest), "--out-dir", str(out_dir), "--ckpt-dir", str(out_dir / "checkpoints")]
-    if pretrained is not None:
-        cmd += ["--pretrained", str(pretrained)]
     print(f"trial {trial_id}: {json.dumps(params)}", flush=True)
-    tail: collections.deque[str] = collections.deque(maxlen=15)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "CHEXFLOW_BACKEND": cfg.backend})
-    stopped: list[int] = []
-
-    def forward(signum, _frame):        # the ranks checkpoint on these; a stop is no trial outcome
-        if signum != signal.SIGUSR1:
-            stopped.append(signum)
-        proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            tail.append(line.rstrip("\n"))
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    sys.stdout.flush()
-    if stopped:
-        raise SystemExit(128 + stopped[0])      # preempted/interrupted: the retry resumes the trial
-    result: dict[str, Any] = {"trial": trial_id, "params": params, "exit_code": code, "status": "ok",
+    paths = TrainPaths(manifest=Path(manifest), out_dir=out_dir, ckpt_dir=out_dir / "checkpoints",
+                       pretrained=None if pretrained is None else Path(pretrained))
+    outcome = start(cfg, paths, launcher=launcher, ranks=ranks)
+    if outcome.status == "interrupted":
+        raise SystemExit(outcome.exit_code)     # preempted / killed: not the trial's outcome; a retry resumes
+    result: dict[str, Any] = {"trial": trial_id, "params": params, "exit_code": outcome.exit_code, "status": "ok",
                               "reason": None, "val_metric": None, "val_metric_name": None, "best_epoch": None,
-                              "model": None}
-    if (out_dir / DIVERGED_MARKER).is_file():
-        info = json.loads((out_dir / DIVERGED_MARKER).read_text())
-        result.update(status="failed", reason=f"diverged: non-finite training loss at step {info.get('step')}")
-    elif code in INFRASTRUCTURE_EXITS:
-        raise SystemExit(code)          # preempted / killed: not the trial's outcome; a retry resumes
-    elif code != 0:
-        result.update(status="failed", reason=f"crashed (exit code {code})", log_tail=list(tail))
+                              "model": None, "run_id": outcome.run_id}
+    if outcome.status == "diverged":
+        result.update(status="failed", reason=f"diverged: {outcome.detail}")
+    elif outcome.status == "no_valid_epoch":
+        result.update(status="failed", reason=outcome.detail)
+    elif outcome.status == "crashed":
+        result.update(status="failed", reason=f"crashed ({outcome.detail})", log_tail=list(outcome.log_tail))
     else:
+        from chexflow.train.checkpoint import load_model_file
         metric, name, epoch = _best(out_dir / "metrics.jsonl")
-        result.update(val_metric=metric, val_metric_name=name, best_epoch=epoch, model=str(out_dir / "model.pt"))
+        # the model the trainer just wrote is this trial's: the selection copies only a file of this run id
+        load_model_file(outcome.model, expect={"run_id": outcome.run_id, "task": "multilabel"})
+        result.update(val_metric=metric, val_metric_name=name, best_epoch=epoch, model=str(outcome.model))
         if metric is None:
             result.update(status="failed", reason="no finite validation metric")
     write_text_atomic(out_dir / "result.json", json.dumps(result, indent=1))
@@ -219,6 +187,9 @@ def write_selection(result_files: list[Path], *, out_csv: Path, out_json: Path, 
     df = table(results, winner["trial"])
     with atomic_path(out_csv) as tmp:
         df.to_csv(tmp, index=False, float_format="%.6g")
+    from chexflow.train.checkpoint import load_model_file
+    # the winner's file must still be the model its trial recorded (format, task, run id), not a stale one
+    load_model_file(winner["model"], expect={"run_id": winner.get("run_id"), "task": "multilabel"})
     with atomic_path(out_model) as tmp:
         shutil.copyfile(winner["model"], tmp)
     summary = {"winner": winner, "n_trials": len(results),

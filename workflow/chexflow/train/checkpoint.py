@@ -1,4 +1,13 @@
-"""Checkpoints: atomic save, newest-valid resume, and init-from-pretrained (model weights only).
+"""Checkpoints and model files: atomic save, weights-only load, newest-valid resume, and the one
+validator of model files that every reader uses (evaluation, init-from-pretrained, the sweep's
+selection, prediction and export).
+
+Every ``.pt`` file chexflow reads goes through :func:`load_pt`: a torch zip archive loaded with
+``weights_only=True`` (tensors and plain containers only), so unpickling never runs code from the
+file. Checkpoints sit on shared cluster file systems: a file that is not what chexflow writes is
+refused with the file and the reason, and a refused checkpoint is renamed aside
+(``<name>.refused``) so that it is never tried again and never takes a real checkpoint's place in
+pruning.
 
 Checkpoints live in ``results/<stage>/checkpoints/`` which is deliberately not a declared
 Snakemake output: Snakemake deletes declared outputs before re-running a rule (snakemake#509),
@@ -6,35 +15,177 @@ so a retry finds them and resumes.
 """
 from __future__ import annotations
 
+import errno
+import os
+import pickle
 import re
+import shutil
+import warnings
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
+from chexflow import __version__
 from chexflow.fsutil import atomic_path
 
 _NAME = re.compile(r"^step-(\d{9})(?:-([0-9A-Za-z]+))?\.pt$")
 
+# The layout of a resume checkpoint. 1: chexflow before format versions (a pickled numpy RNG state,
+# which a weights-only load refuses). 2: tensors and plain types only, 'format' and 'stopped'.
+CHECKPOINT_FORMAT = 2
+# The layout of a model file (model.pt, best-<run id>.pt): the fields of MODEL_FIELDS.
+MODEL_FORMAT = 1
+REFUSED_SUFFIX = ".refused"
 
+REQUIRED = ("model", "optimizer", "scheduler", "step", "epoch", "step_in_epoch", "run_id")
+
+# field -> type of a model file; written by model_record, checked by load_model_file
+MODEL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format": int, "chexflow_version": str, "run_id": str, "stage": str, "dataset": str, "task": str,
+    "labels": list, "arch": str, "in_channels": int, "num_outputs": int, "crop": int, "epoch": int,
+    "val_metric": (float, int), "val_metric_name": str, "config": dict, "state_dict": dict,
+}
+TASKS = ("multiclass", "multilabel")
+
+
+class RefusedFile(ValueError):
+    """A ``.pt`` file chexflow does not use: the message names the file and why."""
+
+
+class ModelFileError(RefusedFile):
+    """A model file that is not a chexflow model of this format, or not the model a step expects."""
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written (disk full, quota, I/O); nothing half-written remains."""
+
+
+# ------------------------------------------------------------------ reading any .pt safely
+def load_pt(path: Path) -> Any:
+    """The content of ``path``, loaded weights-only; :class:`RefusedFile` names the file and why.
+
+    A missing or unreadable file raises the ``OSError`` (the caller says what it was looking for).
+    """
+    path = Path(path)
+    with open(path, "rb") as fh:
+        if not zipfile.is_zipfile(fh):      # a bare pickle is never handed to an unpickler
+            raise RefusedFile(f"{path}: refused: not a torch zip archive (truncated, corrupt, or a bare pickle; "
+                              "chexflow writes torch zip files only)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # torch warns about the pickle protocol before refusing
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise RefusedFile(f"{path}: refused: not a weights-only file ({_unpickling_refusal(exc)})") from exc
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/ValueError/... for broken archives
+        raise RefusedFile(f"{path}: refused: unreadable ({type(exc).__name__}: {_first_line(exc)})") from exc
+
+
+def _unpickling_refusal(exc: Exception) -> str:
+    """What the weights-only unpickler refused, in a few words (torch's message is a paragraph)."""
+    text = str(exc)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return f"unpickling would run code: GLOBAL {found.group(1)}"
+    found = re.search(r"Unsupported operand (\d+)", text)
+    if found:
+        return f"pickle opcode {found.group(1)} is not allowed"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "weights_only" not in ln]
+    return lines[-1] if lines else "refused by the weights-only unpickler"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's message on one line, at most 400 characters."""
+    return " ".join(str(exc).split())[:400]
+
+
+# ------------------------------------------------------------------ writing
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _write_error(path: Path, obj: Any, exc: BaseException) -> WriteError:
+    """The failed write of ``path``, with the free space of its file system and the likely cause
+    (torch reports a full disk as "[enforce fail at inline_container.cc] unexpected pos ...")."""
+    need = _tensor_bytes(obj)
+    try:
+        usage = shutil.disk_usage(path.parent)
+    except OSError:
+        usage = None
+    code = getattr(exc, "errno", None)
+    if code == errno.EDQUOT:
+        cause = "the disk quota is exhausted"
+    elif code == errno.ENOSPC or (usage is not None and usage.free < need):
+        cause = "the file system is full"
+    else:
+        cause = "the write failed"
+    space = (f"{_mib(usage.free)} free of {_mib(usage.total)} on its file system" if usage is not None
+             else "free space unknown")
+    return WriteError(f"{path}: not written: {cause} ({space}; the file needs about {_mib(need)}); nothing "
+                      f"half-written was left ({type(exc).__name__}: {_first_line(exc)})")
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """torch.save to a temp name, fsync, rename: a crash or a full disk never leaves a half file
+    under ``path``; a failed write raises :class:`WriteError` naming the path and the free space."""
+    path = Path(path)
+    try:
+        with atomic_path(path, fsync=True) as tmp:
+            torch.save(obj, tmp)
+    except Exception as exc:  # noqa: BLE001 - RuntimeError from torch's zip writer, OSError from fsync/rename
+        # torch's writer, still open in the traceback's frames, holds the deleted temp file's space
+        # (and its file system busy): drop it before measuring what is free
+        _drop_frames(exc)
+        raise _write_error(path, obj, exc) from exc
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Forget the tracebacks of ``exc`` and the exceptions it chains (their frames hold locals)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
+# ------------------------------------------------------------------ resume checkpoints
 def checkpoint_path(ckpt_dir: Path, step: int, run_id: str) -> Path:
     """``step-<step>-<run id>.pt``: the run id in the name keeps runs of other settings apart."""
     return Path(ckpt_dir) / f"step-{step:09d}-{run_id}.pt"
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """torch.save to a temp name, fsync, rename: a crash never leaves a half file under ``path``."""
-    with atomic_path(path, fsync=True) as tmp:
-        torch.save(obj, tmp)
+def _step_of(path: Path) -> int:
+    return int(_NAME.match(Path(path).name).group(1))
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, state: dict, *, keep: int) -> Path:
-    """Write ``state`` (which names its ``run_id``) and prune that run's older checkpoints only."""
+    """Write ``state`` (which names its ``run_id``) and prune that run's older checkpoints only.
+
+    Pruning counts this run's checkpoints up to ``step``: a file of this run's name with a higher
+    step was never resumed (planted, or refused and renamed aside meanwhile) and never takes the
+    place of a real checkpoint.
+    """
     run_id = state["run_id"]
     path = checkpoint_path(ckpt_dir, step, run_id)
-    save_atomic(state, path)
-    for old in list_checkpoints(ckpt_dir, run_id=run_id)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+    save_atomic({**state, "format": CHECKPOINT_FORMAT}, path)
+    if keep > 0:
+        mine = [p for p in list_checkpoints(ckpt_dir, run_id=run_id) if _step_of(p) <= step]
+        for old in mine[:-keep]:
+            old.unlink(missing_ok=True)
     return path
 
 
@@ -51,14 +202,72 @@ def list_checkpoints(ckpt_dir: Path, *, run_id: str | None = None) -> list[Path]
     return [p for _, _, p in sorted(found)]
 
 
-REQUIRED = ("model", "optimizer", "scheduler", "step", "epoch", "step_in_epoch")
+def checkpoint_problem(state: Any, path: Path, run_id: str) -> str | None:
+    """Why ``state`` (loaded from ``path``) is not a checkpoint this run can resume, or None."""
+    if not isinstance(state, dict):
+        return f"not a chexflow checkpoint (holds a {type(state).__name__})"
+    if state.get("format") != CHECKPOINT_FORMAT:
+        return (f"checkpoint format {state.get('format', 1)!r}; this chexflow {__version__} resumes format "
+                f"{CHECKPOINT_FORMAT} only")
+    missing = [k for k in REQUIRED if k not in state]
+    if missing:
+        return f"incomplete (missing {missing})"
+    if state["run_id"] != run_id:
+        return f"its content names run {state['run_id']!r}, not this run {run_id!r}"
+    for key in ("step", "epoch", "step_in_epoch"):
+        if isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0:
+            return f"{key} is {state[key]!r}, not a count"
+    if _NAME.match(Path(path).name) and state["step"] != _step_of(path):
+        return f"its name says step {_step_of(path)}, its content step {state['step']}"
+    if not isinstance(state["model"], dict) or not all(isinstance(v, torch.Tensor) for v in state["model"].values()):
+        return "its 'model' entry is not a state dict of tensors"
+    if not isinstance(state["optimizer"], dict) or not isinstance(state["scheduler"], dict):
+        return "its 'optimizer' or 'scheduler' entry is not a state dict"
+    return _progress_problem(state)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _progress_problem(state: dict) -> str | None:
+    """What the trainer restores besides tensors (history, best, partial epoch, max_steps stop), by shape."""
+    history = state.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(r, dict) and _is_number(r.get("val_metric"))
+                                                for r in history):
+        return "its 'history' is not a list of validated epochs"
+    best = state.get("best", {"metric": 0.0, "epoch": -1})
+    if not isinstance(best, dict) or not _is_number(best.get("metric")) or not isinstance(best.get("epoch"), int):
+        return "its 'best' entry is not {metric, epoch}"
+    partial = state.get("partial")
+    if partial is not None and not (isinstance(partial, dict) and _is_number(partial.get("loss_sum"))
+                                    and isinstance(partial.get("n"), int)):
+        return "its 'partial' entry is not {loss_sum, n}"
+    stopped = state.get("stopped")
+    if stopped is not None and not (isinstance(stopped, dict) and isinstance(stopped.get("step"), int)
+                                    and _is_number(stopped.get("val_metric"))):
+        return "its 'stopped' entry is not a validation row"
+    world = state.get("world_size")
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        return f"world_size is {world!r}"
+    return None
+
+
+def set_aside(path: Path, reason: str, log: Callable[[str], None]) -> Path:
+    """Rename a refused checkpoint to ``<name>.refused``: kept for inspection, out of resume and pruning."""
+    aside = path.with_name(path.name + REFUSED_SUFFIX)
+    os.replace(path, aside)
+    log(f"checkpoint {path} refused: {reason}; renamed to {aside.name} (never resumed, not counted by pruning)")
+    return aside
 
 
 def load_newest_valid(ckpt_dir: Path, *, run_id: str, log=print) -> tuple[Path, dict] | None:
-    """The newest checkpoint of run ``run_id`` that loads and has every required entry.
+    """The newest checkpoint of run ``run_id`` that loads weights-only and is complete.
 
-    Corrupt or incomplete files are skipped with the reason; checkpoints of other runs (other
-    settings or starting weights) are ignored, so a changed config starts afresh.
+    A refused file (not weights-only, corrupt, incomplete, another format or run) is logged with
+    its reason and renamed aside; a file that cannot be read at all (I/O error) is skipped and left
+    in place. Checkpoints of other runs (other settings or starting weights) are ignored, so a
+    changed config starts afresh.
     """
     others = [p for p in list_checkpoints(ckpt_dir) if _NAME.match(p.name).group(2) != run_id]
     if others:
@@ -66,16 +275,16 @@ def load_newest_valid(ckpt_dir: Path, *, run_id: str, log=print) -> tuple[Path, 
             f"{run_id}); not resuming from them")
     for path in reversed(list_checkpoints(ckpt_dir, run_id=run_id)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is skipped, with its reason
-            log(f"checkpoint {path}: unreadable ({type(exc).__name__}: {exc}); trying an older one")
+            state = load_pt(path)
+        except RefusedFile as exc:
+            set_aside(path, str(exc).split(": refused: ", 1)[-1], log)
             continue
-        missing = [k for k in REQUIRED if k not in state] if isinstance(state, dict) else list(REQUIRED)
-        if missing:
-            log(f"checkpoint {path}: incomplete (missing {missing}); trying an older one")
+        except OSError as exc:
+            log(f"checkpoint {path}: cannot be read ({exc}); trying an older one")
             continue
-        if state.get("run_id") != run_id:
-            log(f"checkpoint {path}: its content names run {state.get('run_id')}, not {run_id}; skipped")
+        problem = checkpoint_problem(state, path, run_id)
+        if problem:
+            set_aside(path, problem, log)
             continue
         return path, state
     return None
@@ -93,15 +302,93 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def load_model_file(path: Path) -> dict:
-    """A final model file (``model.pt``): a dict with 'state_dict' and its description."""
+# ------------------------------------------------------------------ model files
+def model_record(*, state_dict: dict, run_id: str, stage: str, dataset: str, task: str, labels: list[str],
+                 arch: str, in_channels: int, crop: int, epoch: int, val_metric: float, val_metric_name: str,
+                 config: dict) -> dict:
+    """A model file's content (``model.pt``, ``best-<run id>.pt``): the weights and what identifies
+    them (the run id of the settings and starting weights that trained them, the task and labels
+    they predict, the network, the format version). Checked here as a reader checks it."""
+    record = {"format": MODEL_FORMAT, "chexflow_version": __version__, "run_id": run_id, "stage": stage,
+              "dataset": dataset, "task": task, "labels": list(labels), "arch": arch, "in_channels": in_channels,
+              "num_outputs": len(labels), "crop": crop, "epoch": epoch, "val_metric": float(val_metric),
+              "val_metric_name": val_metric_name, "config": config, "state_dict": state_dict}
+    problems = model_problems(record)
+    if problems:
+        raise ValueError(f"model record: {'; '.join(problems)}")
+    return record
+
+
+def model_problems(obj: Any) -> list[str]:
+    """Why ``obj`` is not a chexflow model file of this format ([] when it is)."""
+    if not isinstance(obj, dict):
+        return [f"not a chexflow model file (holds a {type(obj).__name__})"]
+    if "format" not in obj:
+        return ["no model format version: written by a chexflow before model format versions, or not by "
+                "chexflow (retrain it with this version)"]
+    if obj["format"] != MODEL_FORMAT:
+        return [f"model format {obj['format']!r} (chexflow {obj.get('chexflow_version', '?')}); this chexflow "
+                f"{__version__} reads model format {MODEL_FORMAT}"]
+    problems = []
+    for key, tp in MODEL_FIELDS.items():
+        if key not in obj:
+            problems.append(f"no {key!r}")
+        elif isinstance(obj[key], bool) or not isinstance(obj[key], tp):
+            problems.append(f"{key} is a {type(obj[key]).__name__}")
+    if problems:
+        return problems
+    if obj["task"] not in TASKS:
+        problems.append(f"task {obj['task']!r} is none of {list(TASKS)}")
+    if not all(isinstance(label, str) for label in obj["labels"]) or len(obj["labels"]) != obj["num_outputs"]:
+        problems.append(f"labels ({len(obj['labels'])}) do not name its {obj['num_outputs']} outputs")
+    if not obj["state_dict"] or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                        for k, v in obj["state_dict"].items()):
+        problems.append("state_dict is not a mapping of names to tensors")
+    return problems
+
+
+def _difference(key: str, have: Any, want: Any) -> str | None:
+    if isinstance(want, (set, frozenset)):
+        return None if have in want else f"{key}: the file's {have!r}, expected one of {sorted(want)}"
+    if have == want:
+        return None
+    if isinstance(have, list) and isinstance(want, list):
+        at = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+        first = f"{have[at]!r}" if at < len(have) else "nothing"
+        expected = f"{want[at]!r}" if at < len(want) else "nothing"
+        return (f"{key}: the file has {len(have)}, expected {len(want)}; first difference at position {at}: "
+                f"the file's {first}, expected {expected}")
+    return f"{key}: the file's {have!r}, expected {want!r}"
+
+
+def load_model_file(path: Path, *, expect: Mapping[str, Any] | None = None) -> dict:
+    """A chexflow model file, checked: loaded weights-only, of this format, complete, and matching
+    ``expect`` (field -> value, or a set of accepted values; e.g. ``{"task": "multilabel",
+    "labels": [...], "run_id": "..."}``). :class:`ModelFileError` names the file and every difference."""
     path = Path(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = load_pt(path)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{path}: model file not found") from exc
-    except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"{path}: not a readable chexflow model file ({exc})") from exc
-    if not isinstance(obj, dict) or "state_dict" not in obj:
-        raise ValueError(f"{path}: not a chexflow model file (no 'state_dict')")
+    except RefusedFile as exc:
+        raise ModelFileError(str(exc)) from exc
+    problems = model_problems(obj)
+    if problems:
+        raise ModelFileError(f"{path}: refused: {'; '.join(problems)}")
+    diffs = [d for key, want in (expect or {}).items() if (d := _difference(key, obj.get(key), want))]
+    if diffs:
+        raise ModelFileError(f"{path}: refused: not the model expected here: {'; '.join(diffs)}")
     return obj
+
+
+def load_model(path: Path, *, expect: Mapping[str, Any] | None = None) -> tuple[torch.nn.Module, dict]:
+    """The network of a checked model file (on the CPU, eval mode) and the file's fields."""
+    from chexflow.train.models import ModelError, build_model
+    info = load_model_file(path, expect=expect)
+    what = f"{info['arch']} with {info['in_channels']} input channel(s) and {info['num_outputs']} outputs"
+    try:
+        model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
+        model.load_state_dict(info["state_dict"])
+    except (ModelError, RuntimeError) as exc:
+        raise ModelFileError(f"{path}: refused: its weights do not fit {what} ({_first_line(exc)})") from exc
+    return model.eval(), info

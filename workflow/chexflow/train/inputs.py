@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from chexflow.config import TrainConfig
+from chexflow.train.config import TrainConfig
 from chexflow.data import loader as data
 
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from chexflow.config import OptimConfig, ScheduleConfig
+from chexflow.train.config import OptimConfig, ScheduleConfig
 
 
 def build_optimizer(optim: OptimConfig, params) -> torch.optim.Optimizer:

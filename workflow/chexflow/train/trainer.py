@@ -27,12 +27,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from chexflow.config import TrainConfig, to_dict, write_yaml_atomic
-from chexflow.evaluate import metrics as M
 from chexflow.fsutil import sha256_file, write_text_atomic
+from chexflow.settings import to_dict, write_yaml_atomic
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import lease, signals
-from chexflow.train.backends import Backend, backend_for, gather_arrays
+from chexflow.train import val_metrics as M
+from chexflow.train.backends import Backend, gather_arrays
+from chexflow.train.config import TrainConfig
 from chexflow.train.inputs import TrainData, stage_on_node
 from chexflow.train.losses import task_loss
 from chexflow.train.models import build_model, freeze_backbone, load_backbone, param_groups
@@ -40,7 +41,9 @@ from chexflow.train.schedule import build_optimizer, make_scheduler, scaled_lr, 
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
 EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
-EXIT_LEASE_HELD = lease.EXIT_LEASE_HELD   # another trainer holds the checkpoint directory
+DIVERGED_MARKER = "diverged.json"   # in the output directory, when the loss became NaN/inf (step, epoch)
+EXIT_NO_VALID_EPOCH = 4  # no epoch ran, or none validated with a finite metric: no model is written
+EXIT_LEASE_HELD = lease.EXIT_LEASE_HELD   # 5: another trainer holds the checkpoint directory
 
 
 @dataclass(frozen=True)
@@ -61,21 +64,13 @@ def _log(backend: Backend, msg: str) -> None:
         print(f"[chexflow {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run(cfg: TrainConfig, paths: TrainPaths) -> None:
-    backend = backend_for(cfg)
-    try:
-        code = Trainer(cfg, paths, backend).fit()
-    finally:
-        backend.shutdown()
-    if code:
-        sys.exit(code)
-
-
 def run_id(cfg: TrainConfig, pretrained: Path | None) -> str:
     """The identity of a run: a checkpoint is resumed only by the run that wrote it (same settings
     that shape the result, same starting weights). How it is checkpointed, checked and
     communicated (checkpoint.*, check_every_steps, ddp.*, fusion threshold, staging) and where it
     stops (max_steps) can change between attempts without starting afresh."""
+    if cfg.init != "pretrained":
+        pretrained = None       # a run from random init does not depend on any pretraining model
     ident = to_dict(cfg)
     for key in ("checkpoint", "check_every_steps", "ddp", "max_steps"):
         ident.pop(key)
@@ -90,6 +85,10 @@ class ResumeError(RuntimeError):
     """A checkpoint of this run cannot be resumed as asked (e.g. another world size)."""
 
 
+class NoValidEpoch(RuntimeError):
+    """The run validated no epoch with a finite metric: there is no model of this run to write."""
+
+
 @dataclass
 class Progress:
     """Where the run stands; what a checkpoint restores."""
@@ -99,6 +98,9 @@ class Progress:
     history: list = field(default_factory=list)
     best: dict = field(default_factory=lambda: {"metric": -math.inf, "epoch": -1})
     partial: dict | None = None  # resumed mid-epoch: that epoch's training loss so far
+    # stopped by max_steps inside an epoch: the validation row of the model at that step (kept out of
+    # `history` and `best`, so that a resume continues the epoch exactly as an uninterrupted run)
+    stopped: dict | None = None
 
 
 class Trainer:
@@ -181,23 +183,25 @@ class Trainer:
                 source, state = found
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["optimizer"])     # moved to each parameter's device
-            elif cfg.init == "pretrained":
+            else:   # a fresh start: a best model of an earlier attempt is not this attempt's
+                self.best_path.unlink(missing_ok=True)
+            if not found and cfg.init == "pretrained":
                 if self.paths.pretrained is None:
                     raise ValueError("init: pretrained needs the pretraining model file")
-                pre = ckpt.load_model_file(self.paths.pretrained)
+                pre = ckpt.load_model_file(self.paths.pretrained, expect={"arch": cfg.model.arch})
                 loaded = load_backbone(model, pre["state_dict"], stages=cfg.transfer_stages)
                 _log(backend, f"initialised {len(loaded)} backbone tensors from {self.paths.pretrained} "
                               "(model weights only; new head)")
         meta = {"resumed": state is not None, "source": str(source) if source else None}
         if state is not None:
             meta.update({k: state.get(k) for k in ("step", "epoch", "step_in_epoch", "history", "best", "scheduler",
-                                                   "partial", "world_size")})
+                                                   "partial", "stopped", "world_size")})
         meta = backend.broadcast_object(meta)
         prog = Progress()
         if meta["resumed"]:
             prog = Progress(step=meta["step"], epoch=meta["epoch"], in_epoch=meta["step_in_epoch"],
                             history=list(meta["history"] or []), best=meta["best"] or prog.best,
-                            partial=meta["partial"])
+                            partial=meta["partial"], stopped=meta["stopped"])
             backend.broadcast_optimizer(opt)
             written_by = meta.get("world_size") or backend.size
             if written_by != backend.size:
@@ -292,35 +296,56 @@ class Trainer:
                       f"{', compiled' if cfg.compile else ''}")
         writer = self._tensorboard()
         stream = self.data.train_stream()
-        while prog.epoch < cfg.epochs and prog.step < self.total_steps:
+        while prog.epoch < cfg.epochs and (prog.step < self.total_steps or self._unvalidated(prog)):
             code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
             if code:
                 return code
             self._end_epoch(model, opt, sched, prog, stats, writer)
-        self._finish(model, prog.history, prog.best)
+        self._finish(model, prog)
         return 0
 
+    @staticmethod
+    def _unvalidated(prog: Progress) -> bool:
+        """Steps taken in the current epoch that no validation has seen: a checkpoint written at the
+        run's last step on a signal, resumed (the loop has no step left; it still has to validate)."""
+        return prog.in_epoch > 0 and (prog.stopped or {}).get("step") != prog.step
+
+    @property
+    def best_path(self) -> Path:
+        """The best model so far of this run (keyed by run id: another run's is never taken for this one's)."""
+        return Path(self.paths.ckpt_dir) / f"best-{self.run_id}.pt"
+
     def _end_epoch(self, model, opt, sched, prog: Progress, stats: dict, writer) -> None:
-        """Validate, record the epoch, keep the best model, checkpoint."""
+        """Validate, record the epoch, keep the best model, checkpoint (once per step: the loop leaves
+        the checkpoint of an epoch's last step to this). A max_steps stop inside an epoch is validated
+        too (its row is the run's last, ``max_steps_stop``) but leaves the epoch open: its checkpoint
+        resumes the epoch where it stopped, like an uninterrupted run."""
         cfg, backend = self.cfg, self.backend
         val_loss, val_metric, metric_name = self.validate(model)
         per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
-        prog.epoch += 1
-        prog.in_epoch = 0
-        row = {"epoch": prog.epoch, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
+        complete = prog.in_epoch >= self.steps_per_epoch
+        row = {"epoch": prog.epoch + 1, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
                "val_metric": val_metric, "val_metric_name": metric_name, "lr": sched.get_last_lr()[0],
                "images_per_sec": float(sum(per_rank)), "images_per_sec_per_rank": [float(v) for v in per_rank],
                "epoch_time_s": stats["elapsed"], "world_size": backend.size}
-        prog.history.append(row)
+        if not complete:
+            row["max_steps_stop"] = True
         _log(backend, json.dumps(row))
         if writer is not None:
             for k in ("train_loss", "val_loss", "val_metric", "images_per_sec"):
                 writer.add_scalar(f"{cfg.stage}/{k}", row[k], prog.step)
-        if val_metric > prog.best["metric"]:
+        if not complete:
+            prog.stopped = row
+            self._save(model, opt, sched, prog, partial=stats["partial"])
+            return
+        prog.epoch += 1
+        prog.in_epoch = 0
+        prog.stopped = None
+        prog.history.append(row)
+        if math.isfinite(val_metric) and val_metric > prog.best["metric"]:
             prog.best = {"metric": val_metric, "epoch": prog.epoch}
             if backend.is_root:
-                ckpt.save_atomic(self._model_file(model, prog.epoch, val_metric, metric_name),
-                                 Path(self.paths.ckpt_dir) / "best.pt")
+                ckpt.save_atomic(self._model_file(model, row), self.best_path)
         self._save(model, opt, sched, prog)
 
     def train_one_epoch(self, model, opt, sched, stream, prog: Progress, writer) -> tuple[int, dict]:
@@ -363,11 +388,12 @@ class Trainer:
                 _log(backend, f"non-finite training loss by step {prog.step} (epoch {prog.epoch + 1}): diverged, "
                               "no model written")
                 if backend.is_root:     # what a sweep trial records as its outcome
-                    write_text_atomic(Path(self.paths.out_dir) / "diverged.json",
+                    write_text_atomic(Path(self.paths.out_dir) / DIVERGED_MARKER,
                                       json.dumps({"step": prog.step, "epoch": prog.epoch + 1, "stage": cfg.stage}))
                 code = EXIT_DIVERGED
                 break
-            if sig or periodic:
+            stop = sig and sig != signal.SIGUSR1
+            if stop or ((sig or periodic) and not last):    # at `last`, _end_epoch writes the checkpoint
                 self._save(model, opt, sched, prog, partial=(loss_sum, n_loss))
             if sig:
                 name = signal.Signals(sig).name
@@ -385,7 +411,7 @@ class Trainer:
             return code, {}
         elapsed = time.perf_counter() - t0
         train_loss = float(backend.allreduce_mean((loss_sum / max(n_loss, 1)).reshape(1).cpu()).item())
-        return 0, {"train_loss": train_loss, "seen": seen, "elapsed": elapsed}
+        return 0, {"train_loss": train_loss, "seen": seen, "elapsed": elapsed, "partial": (loss_sum, n_loss)}
 
     def train_step(self, model, opt, batches, prog: Progress) -> torch.Tensor:
         """One optimizer step (``bpps`` backward passes); returns the detached mean loss on the device."""
@@ -454,14 +480,17 @@ class Trainer:
         per = M.auroc_per_label(t.astype(np.float64), s, list(self.labels))
         return val_loss, float(M.mean_auroc(per)), "mean_auroc"
 
-    def _model_file(self, model, epoch: int, metric: float, metric_name: str) -> dict:
+    def _model_file(self, model, row: dict) -> dict:
+        """The model file of ``model`` as validated in ``row`` (its epoch and validation metric)."""
         net = getattr(model, "module", model)
         net = getattr(net, "_orig_mod", net)
         sd = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-        return {"state_dict": sd, "arch": self.cfg.model.arch, "in_channels": self.cfg.model.in_channels,
-                "num_outputs": len(self.labels), "labels": list(self.labels), "task": self.task,
-                "crop": self.cfg.data.crop, "epoch": epoch, "val_metric": metric, "val_metric_name": metric_name,
-                "config": to_dict(self.cfg)}
+        cfg = self.cfg
+        return ckpt.model_record(state_dict=sd, run_id=self.run_id, stage=cfg.stage, dataset=cfg.dataset,
+                                 task=self.task, labels=list(self.labels), arch=cfg.model.arch,
+                                 in_channels=cfg.model.in_channels, crop=cfg.data.crop, epoch=row["epoch"],
+                                 val_metric=row["val_metric"], val_metric_name=row["val_metric_name"],
+                                 config=to_dict(cfg))
 
     def _save(self, model, opt, sched, prog: Progress, partial=None) -> None:
         # collective first (every rank reaches this point at the same step), then rank 0 writes
@@ -477,22 +506,38 @@ class Trainer:
                  "optimizer": ckpt.to_cpu(opt.state_dict()), "scheduler": sched.state_dict(),
                  "step": prog.step, "epoch": prog.epoch, "step_in_epoch": prog.in_epoch,
                  "history": prog.history, "best": prog.best, "partial": part,
-                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()},
+                 "stopped": prog.stopped if (prog.stopped or {}).get("step") == prog.step else None,
                  "world_size": self.backend.size, "config": to_dict(self.cfg), "run_id": self.run_id}
         path = ckpt.save_checkpoint(self.paths.ckpt_dir, prog.step, state, keep=self.cfg.checkpoint.keep)
         _log(self.backend, f"checkpoint {path} (step {prog.step})")
 
-    def _finish(self, model, history, best) -> None:
+    def _no_valid_epoch(self, rows: list[dict]) -> NoValidEpoch:
+        stage = self.cfg.stage
+        if not rows:
+            return NoValidEpoch(f"{stage}: no epoch ran ({stage}.epochs: {self.cfg.epochs}, {stage}.max_steps: "
+                                f"{self.cfg.max_steps}, {self.steps_per_epoch} steps per epoch): no model written")
+        values = ", ".join(f"epoch {r['epoch']}: {r['val_metric']}" for r in rows)
+        return NoValidEpoch(f"{stage}: the validation {rows[-1]['val_metric_name']} was not finite in any epoch "
+                            f"({values}); no model written (does every label have both classes in the "
+                            "validation split?)")
+
+    def _finish(self, model, prog: Progress) -> None:
+        """Write the run's declared outputs: model.pt is the best validated model of this run (the
+        best epoch, or the model at a max_steps stop if that validated better); no valid epoch fails."""
+        stopped = prog.stopped if (prog.stopped or {}).get("step") == prog.step else None
+        rows = prog.history + ([stopped] if stopped else [])
+        if not any(math.isfinite(r["val_metric"]) for r in rows):
+            raise self._no_valid_epoch(rows)       # on every rank: they hold the same history
         if not self.backend.is_root:
             self.backend.barrier()
             return
         out = Path(self.paths.out_dir)
-        best_path = Path(self.paths.ckpt_dir) / "best.pt"
-        last = self._model_file(model, len(history), history[-1]["val_metric"] if history else float("nan"),
-                                history[-1]["val_metric_name"] if history else "")
-        final = torch.load(best_path, map_location="cpu", weights_only=True) if best_path.exists() else last
+        if stopped and math.isfinite(stopped["val_metric"]) and stopped["val_metric"] > prog.best["metric"]:
+            final = self._model_file(model, stopped)
+        else:
+            final = ckpt.load_model_file(self.best_path, expect={"run_id": self.run_id, "epoch": prog.best["epoch"]})
         write_yaml_atomic(self.cfg, out / "config.yaml")
-        write_text_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+        write_text_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         ckpt.save_atomic(final, out / "model.pt")
         _log(self.backend, f"done: {out / 'model.pt'} (epoch {final['epoch']}, "
                            f"val {final['val_metric_name']} {final['val_metric']:.4f})")

@@ -4,7 +4,9 @@
 label file shipped with torchxrayvision, renders one grey phantom radiograph per row whose 14
 findings follow that row's labels, and writes the release exactly as NIH publishes it
 (``images_NNN.tar.gz`` holding ``images/<Image Index>``, ``Data_Entry_2017_v2020.csv``,
-``train_val_list.txt``, ``test_list.txt``) plus ``release.json`` and ``SHA256SUMS`` (written
+``train_val_list.txt``, ``test_list.txt``, and ``BBox_List_2017.csv`` in the release's box-list
+format, here holding where every finding of every image was drawn) plus ``release.json`` and
+``SHA256SUMS`` (written
 last: the directory is complete only once it exists). Everything is deterministic in ``seed``:
 the same arguments give byte-identical files.
 
@@ -21,6 +23,6 @@ Modules, drawing first, packaging last:
   ``anatomy``   a patient's anatomy and one exposure's geometry (normalised anatomy frame)
   ``canvas``    the pixel canvas and the cheap shape primitives drawing uses
   ``findings``  the 14 findings' signatures (each a geometry change and/or a drawing)
-  ``draw``      ``render_phantom``: one image from an anatomy and the findings present
+  ``draw``      ``render``: one image from an anatomy and the findings present, and their regions
   ``release``   rows, patient split, archives, tables, checksums: ``make_release``
 """

@@ -1,5 +1,8 @@
-"""Render one phantom radiograph: the patient's anatomy, one exposure, the findings present."""
+"""Render one phantom radiograph: the patient's anatomy, one exposure, the findings present, and
+where each finding was drawn (its regions, the demo's reference for localisation scores)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -9,9 +12,42 @@ from chexflow.data.phantoms.canvas import Canvas, f32, pixel_noise, ramp, triang
 from chexflow.data.phantoms.findings import FINDINGS
 
 
+# A finding's region is where it changed the image: the pixels whose grey value differs from the
+# same exposure rendered without that finding (same patient, same noise, the other findings kept) by
+# at least REGION_LEVEL of the largest difference (its visible core, not the tails of smooth edges),
+# split into the patient's right and left side (a bilateral finding shows as two boxes), except for
+# findings that sit on the midline. A side holding less than MIN_SIDE_SHARE of the changed pixels is
+# a tail crossing the midline (e.g. the mediastinum pulled over by atelectasis), not a second region.
+REGION_LEVEL = 0.25
+MIN_SIDE_SHARE = 0.05
+MIDLINE_FINDINGS = ("Cardiomegaly", "Hernia")
+
+
+class Region(NamedTuple):
+    """A finding's box in pixels of the rendered image: left, top, width, height (x right, y down)."""
+    label: str
+    x: float
+    y: float
+    w: float
+    h: float
+
+
+class Rendered(NamedTuple):
+    image: np.ndarray            # uint8 size x size
+    regions: list[Region]
+
+
 def render_phantom(findings: np.ndarray, *, size: int, rng: np.random.Generator,
                    anatomy: Anatomy | None = None) -> np.ndarray:
-    """Render one phantom radiograph (uint8 size x size) showing the given findings.
+    """Render one phantom radiograph (uint8 size x size) showing the given findings (see ``render``)."""
+    return render(findings, size=size, rng=rng, anatomy=anatomy, regions=False).image
+
+
+def render(findings: np.ndarray, *, size: int, rng: np.random.Generator, anatomy: Anatomy | None = None,
+           regions: bool = True) -> Rendered:
+    """Render one phantom radiograph (uint8 size x size) showing the given findings; with ``regions``
+    also where each finding shows (``Region`` boxes: one more render per finding present, from a copy
+    of ``rng``'s starting state, so the image is the same either way).
 
     ``findings``: 14 values in ``nih.LABELS`` order, 1 = present (NaN counts as absent).
     ``anatomy``: the patient's anatomy (default: drawn from ``rng``). ``rng`` first yields one
@@ -23,6 +59,24 @@ def render_phantom(findings: np.ndarray, *, size: int, rng: np.random.Generator,
         raise ValueError(f"findings must have {len(nih.LABELS)} entries (nih.LABELS order), got {values.shape}")
     if size < 8:
         raise ValueError(f"size must be at least 8, got {size}")
+    start = rng.bit_generator.state
+    image, canvas = _render(values, size, rng, anatomy)
+    if not regions:
+        return Rendered(image, [])
+    found: list[Region] = []
+    for i in np.flatnonzero(values > 0.5):
+        without = values.copy()
+        without[i] = 0.0
+        replay = np.random.Generator(type(rng.bit_generator)())
+        replay.bit_generator.state = start
+        other, _ = _render(without, size, replay, anatomy)
+        diff = np.abs(image.astype(np.int16) - other.astype(np.int16))
+        found += _regions(nih.LABELS[i], diff, canvas)
+    return Rendered(image, found)
+
+
+def _render(values: np.ndarray, size: int, rng: np.random.Generator,
+            anatomy: Anatomy | None) -> tuple[np.ndarray, Canvas]:
     seeds = rng.integers(0, 2**63 - 1, size=len(nih.LABELS))
     if anatomy is None:
         anatomy = sample_anatomy(rng)
@@ -51,7 +105,27 @@ def render_phantom(findings: np.ndarray, *, size: int, rng: np.random.Generator,
     _draw_lungs(img, canvas, occlusion, vessel_grids)
     _draw_bones_and_airways(img, canvas)
     img += canvas.extra
-    return _expose(img, noise, noise_sigma, exposure)
+    return _expose(img, noise, noise_sigma, exposure), canvas
+
+
+def _box(label: str, mask: np.ndarray) -> Region:
+    rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
+    return Region(label, float(cols[0]), float(rows[0]), float(cols[-1] + 1 - cols[0]), float(rows[-1] + 1 - rows[0]))
+
+
+def _regions(label: str, diff: np.ndarray, canvas: Canvas) -> list[Region]:
+    """The boxes of the pixels a finding changed: one per side of the patient (midline findings: one);
+    none when the finding changed no pixel's grey value."""
+    top = int(diff.max())
+    if top == 0:
+        return []
+    mask = diff >= max(1.0, REGION_LEVEL * top)
+    total = int(mask.sum())
+    if label in MIDLINE_FINDINGS:
+        return [_box(label, mask)]
+    right = canvas.X < 0                  # the patient's right is the image left (anatomy frame x < 0)
+    sides = [mask & right, mask & ~right]
+    return [_box(label, side) for side in sides if side.sum() >= MIN_SIDE_SHARE * total]
 
 
 def _soft_tissue(canvas: Canvas) -> tuple[np.ndarray, np.ndarray]:

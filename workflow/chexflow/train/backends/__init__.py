@@ -7,8 +7,12 @@ the communication libraries are imported only when their backend is asked for.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from chexflow.train.backends.base import Backend, DistributedError, expected_world_size, gather_arrays
+
+if TYPE_CHECKING:
+    from chexflow.train.config import TrainConfig
 
 __all__ = ["Backend", "DistributedError", "backend_for", "expected_world_size", "gather_arrays", "init_backend"]
 
@@ -33,7 +37,7 @@ def init_backend(name: str, *, fusion_threshold_mb: int = 64, stage_through_cpu:
     raise DistributedError(f"train.backend: unknown backend {name!r} (horovod | ddp | single)")
 
 
-def backend_for(cfg) -> Backend:
+def backend_for(cfg: TrainConfig) -> Backend:
     """The backend a TrainConfig asks for, with its Horovod/DDP settings."""
     return init_backend(cfg.backend, fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
                         stage_through_cpu=cfg.horovod.stage_through_cpu,

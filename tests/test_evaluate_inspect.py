@@ -1,0 +1,177 @@
+"""`chexflow evaluate` and `chexflow report` on a small demo release, end to end through the CLI
+(issue 19): calibration, PR, NPV, subgroups and localisation checked against independent
+computations from the files the evaluation wrote (scikit-learn, the label table, the box list), and
+the report's new sections and the model card, also in the real headless Chromium."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn.metrics import average_precision_score, brier_score_loss, roc_auc_score
+
+from chexflow.data import nih
+from chexflow.train import checkpoint as ckpt
+from chexflow.train.models import build_model
+from conftest import build_demo_dataset, cli_env, module_scratch
+from test_report import CHROMIUM, _table
+
+CROP = 32
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, request):
+    with module_scratch(tmp_path_factory, request, "inspect") as root:
+        manifest = build_demo_dataset(root)
+        torch.manual_seed(0)
+        model = build_model("resnet18", in_channels=1, num_outputs=14)
+        ckpt.save_atomic(ckpt.model_record(
+            state_dict=model.state_dict(), run_id="inspect0", stage="finetune", dataset="nih_demo", task="multilabel",
+            labels=list(nih.LABELS), arch="resnet18", in_channels=1, crop=CROP, epoch=2, val_metric=0.5,
+            val_metric_name="mean_auroc", config={"init": "random", "seed": 0}), root / "model.pt")
+        cfg = {"batch_size": 64, "bootstrap_resamples": 100, "seed": 0, "min_subgroup_count": 2,
+               "saliency": {"top_k": 2}}
+        raw = root / "raw"
+        proc = subprocess.run(
+            [sys.executable, "-m", "chexflow", "evaluate", "--config-json", json.dumps(cfg), "--model", str(root / "model.pt"),
+             "--manifest", str(manifest), "--out-dir", str(root / "evaluate"), "--label-table", str(raw / nih.LABEL_CSV_NAME),
+             "--boxes", str(raw / nih.BOX_LIST_NAME), "--box-frame", "32"],
+            env=cli_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        yield root
+
+
+def _metrics(root: Path) -> dict:
+    return json.loads((root / "evaluate" / "metrics.json").read_text())
+
+
+def test_calibration_pr_and_npv_match_scikit_learn(evaluated):
+    m = _metrics(evaluated)
+    pred = pd.read_csv(evaluated / "evaluate" / "predictions.csv")
+    checked = 0
+    for label, e in m["labels"].items():
+        known = pred[label].notna()
+        y, s = pred.loc[known, label].to_numpy(int), pred.loc[known, f"{label}_score"].to_numpy(float)
+        if np.unique(y).size < 2:
+            assert "calibration" not in e
+            continue
+        assert e["auprc"] == pytest.approx(average_precision_score(y, s), abs=1e-4)
+        assert e["calibration"]["brier"] == pytest.approx(brier_score_loss(y, s), abs=1e-5)
+        assert sum(b["count"] for b in e["calibration"]["bins"]) == len(y)
+        if "test_operating_point" in e:
+            op, thr = e["test_operating_point"], e["threshold_val_youden"]
+            neg_pred = s < thr
+            if neg_pred.sum() and abs(s - thr).min() > 1e-5:        # no score at the rounded threshold
+                assert op["npv"] == pytest.approx((y[neg_pred] == 0).mean())
+            assert e["threshold_few_positives"] == (min(e["val_positives"], e["val_positive_patients"]) < 10)
+        assert e["n_pos_patients"] == pred.loc[known & (pred[label] == 1), "patient"].nunique()
+        checked += 1
+    assert checked >= 10
+
+
+def test_subgroups_match_the_label_table(evaluated):
+    m = _metrics(evaluated)
+    pred = pd.read_csv(evaluated / "evaluate" / "predictions.csv")
+    table = pd.read_csv(evaluated / "raw" / nih.LABEL_CSV_NAME).set_index("Image Index")
+    sex = table.loc[pred["image"], "Patient Gender"].to_numpy()
+    groups = {(g["attribute"], g["group"]): g for g in m["subgroups"]["groups"]}
+    for code, name in (("F", "female"), ("M", "male")):
+        g, sel = groups[("sex", name)], sex == code
+        assert g["n_images"] == sel.sum() and g["n_patients"] == pred.loc[sel, "patient"].nunique()
+        for label, e in g["labels"].items():
+            y, s = pred.loc[sel, label], pred.loc[sel, f"{label}_score"]
+            if y.nunique() == 2:
+                assert e["auroc"] == pytest.approx(roc_auc_score(y, s), abs=1e-4)
+                assert (e["ci"] is None) == (min((y == 1).sum(), (y == 0).sum()) < 2)
+            else:
+                assert e["auroc"] is None and e["note"] == "one class only"
+    view = table.loc[pred["image"], "View Position"].to_numpy()
+    assert groups[("view", "PA")]["n_images"] + groups[("view", "AP")]["n_images"] == np.isin(view, ["PA", "AP"]).sum()
+    rows = pd.read_csv(evaluated / "evaluate" / "subgroups.csv")
+    assert set(rows["attribute"]) == {"sex", "age_band", "view"}
+
+
+def test_localisation_scores_every_boxed_positive_of_the_test_split(evaluated):
+    m = _metrics(evaluated)
+    pred = pd.read_csv(evaluated / "evaluate" / "predictions.csv").set_index("image")
+    boxes = nih.read_box_list(evaluated / "raw" / nih.BOX_LIST_NAME, frame=32)
+    boxes = boxes[boxes["image"].isin(pred.index)]
+    positive = [pred.loc[r.image, r.label] == 1 for r in boxes.itertuples()]
+    want = boxes[positive].groupby("label")["image"].nunique()
+    loc = m["localisation"]
+    assert loc["layer"] == "layer1" and loc["layer_side"] == 8 and loc["crop"] == CROP
+    got = {label: e["n"] for label, e in loc["labels"].items() if e["n"]}
+    assert got == want.to_dict()
+    rows = pd.read_csv(evaluated / "evaluate" / "localisation.csv")
+    for label, e in loc["labels"].items():
+        mine = rows[rows["label"] == label]
+        assert e["hits"] == int(mine["hit"].sum()) and e["random_point"] == pytest.approx(mine["random_point"].mean(), abs=1e-5)
+    # the gallery's heatmaps point where localisation.csv says
+    with np.load(evaluated / "evaluate" / "saliency.npz", allow_pickle=False) as z:
+        meta, heat = json.loads(str(z["meta"])), z["heatmaps"].astype(float)
+    assert meta and {x["kind"] for x in meta} <= {"TP", "FP"}
+    by = rows.set_index(["image", "label"])
+    for k, x in enumerate(meta):
+        if x["boxes"] and heat[k].max() > heat[k].min():
+            r, c = np.unravel_index(np.argmax(heat[k]), heat[k].shape)
+            hit = any(x0 <= c + 0.5 <= x1 and y0 <= r + 0.5 <= y1 for x0, y0, x1, y1 in x["boxes"])
+            assert bool(by.loc[(x["image"], x["label"]), "hit"]) == hit
+
+
+def _report(root: Path, out: Path) -> subprocess.CompletedProcess:
+    ev, train = root / "evaluate", root / "train.jsonl"
+    train.write_text("".join(json.dumps({"epoch": e, "train_loss": 1 / e, "val_metric": 0.5, "val_metric_name": "mean_auroc",
+                                         "world_size": 1}) + "\n" for e in (1, 2, 3)))
+    tree = {"evaluation": {"metrics": str(ev / "metrics.json"), "predictions": str(ev / "predictions.csv"),
+                           "saliency": str(ev / "saliency.npz")},
+            "training": {"pretrain": str(train), "finetune": str(train)},
+            "manifests": {"finetune": str(root / "shards" / "manifest.json")}}
+    return subprocess.run([sys.executable, "-m", "chexflow", "report", "--out", str(out), "--model-card",
+                           str(out.with_name("model_card.md")), "--inputs-json", json.dumps(tree)],
+                          env=cli_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_report_sections_and_model_card(evaluated, tmp_path):
+    proc = _report(evaluated, tmp_path / "report.html")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    html = (tmp_path / "report.html").read_text()
+    m = _metrics(evaluated)
+    for section in ("calibration", "subgroups", "localisation", "model-card"):
+        assert f'id="{section}"' in html
+    loc = {r[0]: r for r in _table(html, "localisation-table")["tbody"]}
+    for label, e in m["localisation"]["labels"].items():
+        if e["n"]:
+            assert loc[label.replace("_", " ")][1:3] == [str(e["n"]), f"{e['hit_rate']:.3f}"]
+    sub = _table(html, "subgroup-table")["tbody"]
+    assert [r[:3] for r in sub[:2]] == [["Sex", g["group"], str(g["n_images"])] for g in m["subgroups"]["groups"][:2]]
+    assert "The model tested is epoch 2's" in html and "tested model: epoch 2" in html
+    card = (tmp_path / "model_card.md").read_text()
+    assert card.startswith("# Model card: resnet18 fine-tuned on") and "SYNTHETIC" in card
+    for head in ("## Data and split", "## Training recipe", "## Test metrics", "## Calibration and operating points",
+                 "## Subgroups", "## Localisation", "## Intended use", "## Limitations this run shows"):
+        assert head in card
+    atel = m["labels"]["Atelectasis"]
+    assert f"| Atelectasis | {atel['auroc']:.3f} | {atel['ci'][0]:.3f}-{atel['ci'][1]:.3f} |" in card
+    assert "Not a medical device" in card and card in html.replace("&#39;", "'").replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+
+
+@pytest.mark.slow
+def test_new_sections_render_in_headless_chromium(evaluated, tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+    assert _report(evaluated, tmp_path / "report.html").returncode == 0
+    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*base, "--dump-dom", (tmp_path / "report.html").as_uri()], check=True, capture_output=True,
+                         text=True, timeout=180).stdout
+    m = _metrics(evaluated)
+    scored = [lab for lab, e in m["localisation"]["labels"].items() if e["n"]]
+    assert len(_table(dom, "localisation-table")["tbody"]) == len(m["localisation"]["labels"]) and scored
+    assert len(_table(dom, "calibration-table")["tbody"]) == 14
+    assert 'alt="Grad-CAM of' in dom and 'alt="Reliability diagrams per label"' in dom
+    assert "Model card: resnet18" in dom

@@ -1,0 +1,114 @@
+"""AUROC by subgroup: sex, age band and view position, from the release's label table.
+
+The table's rows (``Data_Entry_2017_v2020.csv``: Patient Gender, Patient Age, View Position; the
+demo's phantoms carry the real rows' fields) are joined to the test predictions by image name, so the
+fields reach evaluation without touching the split or the shards. Every value is checked: a sex other
+than M/F, an age outside 0..MAX_AGE (the 2017 table had ages like 414) or a view other than PA/AP
+puts the image in no group of that attribute ("unknown", counted).
+
+A (subgroup, finding) with fewer than ``min_count`` positive or negative images gets no CI ("too few
+for a CI"); the AUROC is still shown where both classes occur.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc
+
+MAX_AGE = 120
+COLUMNS = {"sex": "Patient Gender", "age": "Patient Age", "view": "View Position"}
+SEXES = {"M": "male", "F": "female"}
+VIEWS = ("PA", "AP")
+
+
+class SubgroupError(ValueError):
+    """The label table cannot give the subgroups; the message names the file and column."""
+
+
+def age_band_names(edges: Sequence[int]) -> list[str]:
+    """Names of the bands that ``edges`` (ascending) cut 0..MAX_AGE into: <18, 18-39, ..., >=80."""
+    edges = list(edges)
+    if edges != sorted(set(edges)) or not edges or edges[0] <= 0 or edges[-1] > MAX_AGE:
+        raise SubgroupError(f"age band edges must be ascending, distinct, in 1..{MAX_AGE}, got {edges}")
+    return [f"<{edges[0]}"] + [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])] + [f">={edges[-1]}"]
+
+
+def read_fields(table: Path, images: Sequence[str], *, age_edges: Sequence[int]) -> pd.DataFrame:
+    """Per image of ``images`` (in order): ``sex``, ``age_band``, ``view`` (None where unknown)."""
+    table = Path(table)
+    try:
+        raw = pd.read_csv(table, dtype=str, keep_default_na=False)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, EOFError) as exc:
+        raise SubgroupError(f"{table}: cannot read the label table ({exc})") from exc
+    raw.columns = [c.strip() for c in raw.columns]
+    missing = [c for c in ("Image Index", *COLUMNS.values()) if c not in raw.columns]
+    if missing:
+        raise SubgroupError(f"{table}: missing column(s) {missing} (needed for the subgroups)")
+    raw = raw.drop_duplicates("Image Index").set_index("Image Index")
+    absent = [i for i in images if i not in raw.index]
+    if absent:
+        raise SubgroupError(f"{table}: {len(absent)} test image(s) have no row, e.g. {absent[:3]}")
+    rows = raw.loc[list(images)]
+    age = pd.to_numeric(rows[COLUMNS["age"]].str.strip().str.rstrip("Y"), errors="coerce")
+    age = age.where((age >= 0) & (age <= MAX_AGE))
+    names = age_band_names(age_edges)
+    band = pd.cut(age, bins=[-np.inf, *age_edges, np.inf], right=False, labels=names)
+    return pd.DataFrame({
+        "sex": rows[COLUMNS["sex"]].str.strip().map(SEXES).to_numpy(),
+        "age_band": band.astype(object).where(band.notna(), None).to_numpy(),
+        "view": rows[COLUMNS["view"]].str.strip().where(rows[COLUMNS["view"]].str.strip().isin(VIEWS)).to_numpy(),
+    }, index=pd.Index(list(images), name="image")).astype(object).where(lambda d: d.notna(), None)
+
+
+def subgroup_aurocs(y: np.ndarray, s: np.ndarray, patients: np.ndarray, labels: Sequence[str], fields: pd.DataFrame,
+                    *, age_edges: Sequence[int], min_count: int, n_resamples: int, seed: int) -> list[dict]:
+    """One entry per (attribute, group): images, patients, the mean AUROC over the findings with at
+    least ``min_count`` positives and negatives in the group (CI by patient bootstrap, the resamples
+    where every one of them is defined), and per finding the AUROC with its CI or why there is none."""
+    order = {"sex": list(SEXES.values()), "age_band": age_band_names(age_edges), "view": list(VIEWS)}
+    out = []
+    for attr, groups in order.items():
+        values = fields[attr].to_numpy()
+        for group in groups:
+            sel = values == group
+            out.append(_group(attr, group, y[sel], s[sel], patients[sel], labels, min_count, n_resamples, seed))
+        out.append({"attribute": attr, "group": "unknown", "n_images": int(pd.isna(fields[attr]).sum()),
+                    "n_patients": int(len(set(patients[pd.isna(fields[attr]).to_numpy()]))), "mean_auroc": None,
+                    "mean_ci": None, "mean_labels": [], "labels": {},
+                    "note": "not in any group (field missing or invalid)"})
+    return out
+
+
+def _group(attr: str, group: str, y: np.ndarray, s: np.ndarray, patients: np.ndarray, labels: Sequence[str],
+           min_count: int, n_resamples: int, seed: int) -> dict:
+    entry = {"attribute": attr, "group": group, "n_images": int(len(y)), "n_patients": int(len(set(patients))),
+             "mean_auroc": None, "mean_ci": None, "mean_labels": [], "labels": {}, "note": ""}
+    if len(y) == 0:
+        entry["note"] = "no test image"
+        return entry
+    pos = np.sum(y == 1, axis=0)
+    neg = np.sum(y == 0, axis=0)
+    enough = [j for j in range(len(labels)) if pos[j] >= min_count and neg[j] >= min_count]
+    point = auroc_per_label(y, s, list(labels))
+    sub = [labels[j] for j in enough]
+    boot = bootstrap_auroc(y[:, enough], s[:, enough], patients, sub, n_resamples=n_resamples,
+                           seed=seed) if enough else None     # one bootstrap: the findings' CIs and the mean's
+    for j, label in enumerate(labels):
+        if j in enough:
+            why = ""
+        elif point[label] is None:
+            why = "one class only"
+        else:
+            why = f"too few for a CI ({int(pos[j])} pos / {int(neg[j])} neg)"
+        ci = boot["labels"][label]["ci"] if boot and not why else None
+        entry["labels"][label] = {"auroc": point[label], "ci": ci, "n_pos": int(pos[j]), "n_neg": int(neg[j]),
+                                  "note": why}
+    if boot:
+        entry.update(mean_auroc=boot["mean_auroc"]["auroc"], mean_ci=boot["mean_auroc_ci"], mean_labels=sub)
+    else:
+        entry["note"] = f"too few for a CI: no finding has {min_count} positive and {min_count} negative images"
+    return entry
