@@ -113,6 +113,11 @@ def test_tiny_chain_twice_gives_identical_metrics(tmp_path, demo_manifest):
         work = tmp_path / name
         for dataset in ("nih_demo", "nih_demo_pretrain"):      # the demo shards stand in for both datasets
             shutil.copytree(demo_manifest.parent, work / "data/shards" / dataset)
+        # evaluation reads the release's label table and boxes (subgroups, localisation); copy2 keeps
+        # their mtimes older than the shards', as in the build, so no shard job is due
+        (work / "data/raw/nih_demo").mkdir(parents=True)
+        for table in ("Data_Entry_2017_v2020.csv", "BBox_List_2017.csv"):
+            shutil.copy2(demo_manifest.parent.parent / "raw" / table, work / "data/raw/nih_demo" / table)
         (work / "config.yaml").write_text(yaml.safe_dump(_chain_twice_config(backend)))
         proc = snakemake(work, "--configfile", str(work / "config.yaml"), "--allowed-rules", "pretrain_model",
                          "finetune_model", "evaluate_model", "--", "results/evaluate/metrics.json")

@@ -22,8 +22,13 @@ class Signals:
 
     def __init__(self) -> None:
         self.received = 0
+        self.ensure_installed()
+
+    def ensure_installed(self) -> None:
+        """(Again) the handler of every stop signal: a caller may have put its own back meanwhile."""
         for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
+            if signal.getsignal(sig) != self._handle:
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
         if self.received in (0, signal.SIGUSR1) or signum == signal.SIGTERM:
@@ -35,8 +40,10 @@ _CATCHER: Signals | None = None
 
 def install() -> Signals:
     """The process's one catcher (installed on the first call; later calls return the same one, with
-    what it received so far)."""
+    what it received so far, its handlers put back if something replaced them)."""
     global _CATCHER
     if _CATCHER is None:
         _CATCHER = Signals()
+    else:
+        _CATCHER.ensure_installed()
     return _CATCHER

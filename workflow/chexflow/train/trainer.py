@@ -253,8 +253,11 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
         """Train to the end (or the stop a signal asks for) holding the checkpoint directory's lease."""
-        with self._checkpoint_lease() as held:
-            return self._fit() if held else EXIT_LEASE_HELD
+        try:
+            with self._checkpoint_lease() as held:
+                return self._fit() if held else EXIT_LEASE_HELD
+        finally:
+            self.signals.received = 0   # consumed by this run: a later one in this process starts afresh
 
     @contextlib.contextmanager
     def _checkpoint_lease(self):
