@@ -122,6 +122,15 @@ def auroc_bars(labels: Sequence[str], ours: Mapping[str, float | None], chexnet:
     return figure_to_data_uri(fig)
 
 
+def _unit_axes(ax, xlabel: str, ylabel: str) -> None:
+    """A panel of a grid whose both axes run over [0, 1] (rates, probabilities)."""
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.01)
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+
+
 def roc_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, tuple[float, float] | None]]) -> str:
     """Grid of ROC curves. ``curves[label] = (fpr, tpr, auroc, youden (fpr, tpr) or None)``."""
     labels = list(curves)
@@ -136,12 +145,8 @@ def roc_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, tuple[flo
         if youden is not None:
             ax.plot([youden[0]], [youden[1]], "o", color=CHEXNET_COLOR, ms=4)
         ax.set_title(f"{display_name(label)} (AUROC {auc:.3f})", fontsize=9)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.01)
+        _unit_axes(ax, "1 - specificity", "sensitivity")
         ax.set_aspect("equal")
-        ax.tick_params(labelsize=7)
-        ax.set_xlabel("1 - specificity", fontsize=8)
-        ax.set_ylabel("sensitivity", fontsize=8)
     for ax in axes[len(labels):]:
         ax.set_visible(False)
     fig.tight_layout()
@@ -168,11 +173,7 @@ def pr_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, float]]) -
         ax.axhline(prevalence, ls="--", color="#bbbbbb", lw=0.8)
         ax.step(recall, precision, where="post", color=OURS_COLOR, lw=1.5)
         ax.set_title(f"{display_name(label)}\nAUPRC {auprc:.3f}, prevalence {prevalence:.3f}", fontsize=8)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.01)
-        ax.tick_params(labelsize=7)
-        ax.set_xlabel("recall (sensitivity)", fontsize=8)
-        ax.set_ylabel("precision (PPV)", fontsize=8)
+        _unit_axes(ax, "recall (sensitivity)", "precision (PPV)")
     return figure_to_data_uri(fig, tight=False)
 
 
@@ -189,11 +190,7 @@ def reliability_grid(bins: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
             ax.plot(x, y, "-", color=OURS_COLOR, lw=1.0)
             ax.scatter(x, y, s=12 + 80 * n / n.max(), color=OURS_COLOR, zorder=3)
         ax.set_title(display_name(label), fontsize=9)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.01)
-        ax.tick_params(labelsize=7)
-        ax.set_xlabel("mean predicted probability", fontsize=8)
-        ax.set_ylabel("fraction positive", fontsize=8)
+        _unit_axes(ax, "mean predicted probability", "fraction positive")
     return figure_to_data_uri(fig, tight=False)
 
 
