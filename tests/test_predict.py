@@ -263,13 +263,18 @@ def test_predict_cli_on_dicom_and_jpeg_made_from_the_same_pixels(study, tmp_path
     np.testing.assert_allclose(scores_of(jpg, study.labels), scores_of(twin.loc[jpg.index], study.labels), atol=1e-6)
 
 
-@pytest.mark.slow
-def test_unreadable_files_get_a_reason_and_the_others_go_on(study, tmp_path):
-    names = sorted(study.scores)[:2]
-    folder = tmp_path / "in"
+def _copy_pngs(study, names, folder: Path) -> Path:
+    """A new folder holding copies of the test split's PNGs ``names``."""
     folder.mkdir()
     for name in names:
         (folder / name).write_bytes((study.pngs / name).read_bytes())
+    return folder
+
+
+@pytest.mark.slow
+def test_unreadable_files_get_a_reason_and_the_others_go_on(study, tmp_path):
+    names = sorted(study.scores)[:2]
+    folder = _copy_pngs(study, names, tmp_path / "in")
     good = (study.pngs / names[0]).read_bytes()
     (folder / "cut.png").write_bytes(good[: len(good) // 2])
     (folder / "notes.png").write_text("not an image")
@@ -311,10 +316,7 @@ def test_unreadable_files_get_a_reason_and_the_others_go_on(study, tmp_path):
 @pytest.mark.slow
 def test_heatmaps_one_png_per_readable_file_for_its_most_likely_finding(study, tmp_path):
     names = sorted(study.scores)[:5]
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for name in names:
-        (folder / name).write_bytes((study.pngs / name).read_bytes())
+    folder = _copy_pngs(study, names, tmp_path / "in")
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     out = tmp_path / "res" / "predictions.csv"
     table = predict.run(PredictConfig(heatmaps=True, workers=0, batch_size=3), model_path=study.model,

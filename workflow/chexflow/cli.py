@@ -202,6 +202,16 @@ def cmd_sweep_select(args) -> None:
           f"{summary['n_failed']} of {summary['n_trials']} trials failed")
 
 
+def _add_model_inputs(p: argparse.ArgumentParser) -> None:
+    """The fine-tuned model and what it was made from and chosen with (predict, export)."""
+    p.add_argument("--model", type=Path, required=True, help="results/finetune/model.pt")
+    p.add_argument("--manifest", type=Path, required=True,
+                   help="manifest of the data the model was trained on (its stored image size; export: "
+                        "the test images of its check)")
+    p.add_argument("--metrics", type=Path, required=True,
+                   help="evaluation's metrics.json (the thresholds chosen on validation)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="chexflow", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="stage", required=True)
@@ -287,11 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="the fine-tuned model on PNG/JPEG/DICOM files: one CSV row per file")
     _add_config(p)
-    p.add_argument("--model", type=Path, required=True, help="results/finetune/model.pt")
-    p.add_argument("--manifest", type=Path, required=True,
-                   help="manifest of the data the model was trained on (its stored image size)")
-    p.add_argument("--metrics", type=Path, required=True,
-                   help="evaluation's metrics.json (the thresholds chosen on validation)")
+    _add_model_inputs(p)
     p.add_argument("--out", type=Path, required=True, help="the CSV to write")
     p.add_argument("--heatmap-dir", type=Path, default=None, help="with predict.heatmaps (default: beside --out)")
     p.add_argument("inputs", nargs="*", help="folders, image files or .txt lists (default: predict.inputs)")
@@ -299,9 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="TorchScript and ONNX of the fine-tuned model, checked against torch")
     _add_config(p)
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--manifest", type=Path, required=True, help="its dataset (the test images of the check)")
-    p.add_argument("--metrics", type=Path, required=True, help="evaluation's metrics.json (thresholds)")
+    _add_model_inputs(p)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--model-card", type=Path, default=None, help="carried along when the file exists")
     p.set_defaults(func=cmd_export)
