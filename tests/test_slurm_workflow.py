@@ -118,11 +118,46 @@ def test_rerun_after_a_failure_redoes_only_what_failed(slurm_demo):
     assert (work / "results/pretrain/model.pt").stat().st_mtime_ns == pre_mtime
 
 
-def _running_job(env, rule: str) -> str | None:
-    """The SLURM id of the running job of ``rule`` (the plugin's comment rule_<name>)."""
-    out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %k"], env=env, capture_output=True,
+def _running_job(env, rule: str, work: Path) -> str | None:
+    """The SLURM id of this workflow's running job of ``rule``: the plugin's comment ``rule_<name>`` (or
+    ``rule_<name>_wildcards_...``) and its working directory ``work`` (the plugin submits with ``-D``
+    the workflow's directory). The rule name alone picked another workflow's job on a shared cluster."""
+    out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i|%k|%Z"], env=env, capture_output=True,
                          text=True).stdout
-    return next((line.split()[0] for line in out.splitlines() if f"rule_{rule}" in line), None)
+    for line in out.splitlines():
+        job, comment, workdir = line.split("|", 2)
+        if (comment == f"rule_{rule}" or comment.startswith(f"rule_{rule}_wildcards_")) \
+                and Path(workdir).resolve() == Path(work).resolve():
+            return job
+    return None
+
+
+def test_running_job_is_this_workflows(slurm_cluster, tmp_path):  # noqa: F811
+    """Two workflows on one cluster each run a fine-tuning job: each test picks its own (by working
+    directory), never the other's (the rule name alone requeued another workflow's job)."""
+    dirs = [tmp_path / "ours", tmp_path / "theirs", tmp_path / "elsewhere"]
+    jobs = []
+    for d, comment in zip(dirs, ["rule_finetune_model", "rule_finetune_model", "rule_finetune_model_x"]):
+        d.mkdir()
+        out = subprocess.run(["sbatch", "--parsable", f"--chdir={d}", f"--comment={comment}", "--output=/dev/null",
+                              "--wrap", "sleep 120"], env=slurm_cluster.env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        jobs.append(out.stdout.strip().split(";")[0])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], env=slurm_cluster.env,
+                                     capture_output=True, text=True).stdout.split()
+            if set(jobs) <= set(running):
+                break
+            time.sleep(0.5)
+        assert _running_job(slurm_cluster.env, "finetune_model", dirs[0]) == jobs[0]
+        assert _running_job(slurm_cluster.env, "finetune_model", dirs[1]) == jobs[1]
+        # a rule whose name only starts like it (rule_finetune_model_x) is another rule
+        assert _running_job(slurm_cluster.env, "finetune_model", dirs[2]) is None
+        assert _running_job(slurm_cluster.env, "pretrain_model", dirs[0]) is None
+    finally:
+        subprocess.run(["scancel", *jobs], env=slurm_cluster.env)
 
 
 def _start_snakemake(cluster, work: Path, cfgfile: Path, *args: str, overlay: Path | None = None):
@@ -147,7 +182,7 @@ def _job_mid_training(cluster, work: Path, proc, log: Path, rule: str, stage: st
     ckdir, job = work / f"results/{stage}/checkpoints", None
     deadline = time.time() + 900
     while time.time() < deadline and proc.poll() is None:
-        job = job or _running_job(cluster.env, rule)
+        job = job or _running_job(cluster.env, rule, work)
         fresh = [p for p in ckdir.glob("step-*.pt") if p.stat().st_mtime > t0]
         if job and fresh and max(checkpoint_step(p) for p in fresh) >= min_step:
             return job
