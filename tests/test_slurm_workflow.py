@@ -248,7 +248,7 @@ def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
     longer["finetune"]["checkpoint"] = {"every_steps": 5}      # over training.checkpoint, for this stage
     proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scancel"])
     # snakemake-executor-plugin-slurm 2.8.0 never takes sacct's "CANCELLED by <uid>" for a failure
-    # and would wait forever (README, "Running on your cluster"): the user stops it with Ctrl-C
+    # and would wait forever (docs/cluster.md): the user stops it with Ctrl-C
     deadline = time.time() + 120
     while time.time() < deadline:
         state = subprocess.run(["sacct", "-X", "-P", "-n", "-j", job, "-o", "State"], env=cluster.env,
