@@ -269,7 +269,7 @@ def test_snakemake_workflow_with_ci_overlay(slurm_cluster: Cluster, tmp_path: Pa
         assert f" {option} " in sbatch, f"{option!r} missing in: {sbatch[:600]}"
 
     # each rule ran on the partition the overlay names (checked in slurmdbd via sacct)
-    overlay = yaml.safe_load((CI_OVERLAY / "config.yaml").read_text())
+    overlay = yaml.safe_load((CI_OVERLAY / "profile.yaml").read_text())
     default_partition = overlay["default-resources"]["slurm_partition"]
     expected = {rule: overlay["set-resources"].get(rule, {}).get("slurm_partition",
                                                                  default_partition)
@@ -328,10 +328,10 @@ def test_overlay_profile_changes_one_rule_resource_and_keeps_the_rest(tmp_path: 
 
     overlay = tmp_path / "my-overrides"
     overlay.mkdir()
-    text = (REPO / "profiles/slurm-overrides/config.yaml").read_text()
+    text = (REPO / "profiles/slurm-overrides/profile.yaml").read_text()
     line = "    pretrain_model: {runtime: 1440}"
     assert text.count(line) == 1
-    (overlay / "config.yaml").write_text(text.replace(line, "    pretrain_model: {runtime: 1}"))
+    (overlay / "profile.yaml").write_text(text.replace(line, "    pretrain_model: {runtime: 1}"))
     merged = _dry_run_resources(tmp_path / "overlay", "--profile", str(overlay))
     assert "runtime=1," in merged["pretrain_model"], merged["pretrain_model"]
     for item in intact:

@@ -65,7 +65,7 @@ def slurm_demo(slurm_cluster, tmp_path_factory, request):  # noqa: F811
 def test_demo_on_slurm_every_rule_a_job_on_its_partition(slurm_demo):
     cluster, work, cfg, cfgfile, log = slurm_demo
     assert (work / "results/report/chexflow_report.html").exists()
-    overlay = yaml.safe_load((CI_OVERLAY / "config.yaml").read_text())
+    overlay = yaml.safe_load((CI_OVERLAY / "profile.yaml").read_text())
     default = overlay["default-resources"]["slurm_partition"]
     run_id = re.search(r"SLURM run ID: (\S+)", log).group(1)
     rules = ["make_demo_release", "download_file", "split_dataset", "write_shards", "gather_shards",
@@ -283,7 +283,7 @@ def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
     longer["finetune"]["checkpoint"] = {"every_steps": 5}      # over training.checkpoint, for this stage
     proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scancel"])
     # snakemake-executor-plugin-slurm 2.8.0 never takes sacct's "CANCELLED by <uid>" for a failure
-    # and would wait forever (README, "Running on your cluster"): the user stops it with Ctrl-C
+    # and would wait forever (docs/cluster.md): the user stops it with Ctrl-C
     deadline = time.time() + 120
     while time.time() < deadline:
         state = subprocess.run(["sacct", "-X", "-P", "-n", "-j", job, "-o", "State"], env=cluster.env,
@@ -340,7 +340,7 @@ def test_time_limit_during_pretraining_checkpoints_and_the_retry_resumes(slurm_d
     cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=11, epochs=24)))
     overlay = tmp_path / "limits"
     overlay.mkdir()
-    (overlay / "config.yaml").write_text(
+    (overlay / "profile.yaml").write_text(
         "__use_yte__: true\n__definitions__:\n  - from chexflow.profiles import set_resources\n"
         "__variables__:\n  changes:\n    pretrain_model: {runtime: '9 if attempt == 1 else 10'}\n"
         f"set-resources: ?set_resources({str(CI_OVERLAY)!r}, changes)\n")

@@ -105,7 +105,7 @@ def _chain_twice_config(backend: str) -> dict:
 
 @pytest.mark.slow
 def test_tiny_chain_twice_gives_identical_metrics(tmp_path, demo_manifest):
-    """What is reproducible (README): the same chain run twice on one machine and software stack, in
+    """What is reproducible (docs/studies.md): the same chain run twice on one machine and software stack, in
     two fresh directories, gives bit-identical models and byte-identical test metrics."""
     backend = "horovod" if horovod_available() else "ddp"
     runs = []

@@ -4,7 +4,7 @@ Snakemake (9.x) takes a mapping-valued option (``set-resources``, ``default-reso
 a later profile or on the command line as a whole: ``--set-resources pretrain_model:runtime=60``
 replaces every rule's entry of ``profiles/slurm`` (pretraining then runs on the CPU partition with
 one task and no warning signal). Profiles are YTE templates, so an overlay profile can compute the
-merged mapping instead; ``profiles/slurm-overrides/config.yaml`` is one:
+merged mapping instead; ``profiles/slurm-overrides/profile.yaml`` is one:
 
     __use_yte__: true
     __definitions__:
@@ -32,15 +32,22 @@ class ProfileError(ValueError):
     """A base profile that cannot be read or merged; the message names it."""
 
 
+# A profile directory's file, in the order Snakemake (>= 9.19) looks for it: profile.yaml is the current
+# name, config.yaml the older one it still reads.
+PROFILE_FILE_NAMES = ("profile.yaml", "config.yaml")
+
+
 def profile_file(base: str | Path) -> Path:
-    """``base``'s YAML file: a profile file, a profile directory (its config.yaml), or the name of one
-    of this repository's profiles (``"slurm"`` = profiles/slurm)."""
+    """``base``'s YAML file: a profile file, a profile directory (its profile.yaml, or an older profile's
+    config.yaml), or the name of one of this repository's profiles (``"slurm"`` = profiles/slurm)."""
     for candidate in (Path(base), REPO_PROFILES / str(base)):
         if candidate.is_file():
             return candidate
-        if (candidate / "config.yaml").is_file():
-            return candidate / "config.yaml"
-    raise ProfileError(f"profile {base!r}: no such profile file or directory (nor {REPO_PROFILES / str(base)})")
+        for name in PROFILE_FILE_NAMES:
+            if (candidate / name).is_file():
+                return candidate / name
+    raise ProfileError(f"profile {base!r}: no such profile file or directory with "
+                       f"{' or '.join(PROFILE_FILE_NAMES)} (nor {REPO_PROFILES / str(base)})")
 
 
 def _section(base: str | Path, key: str) -> dict:

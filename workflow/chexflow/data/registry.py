@@ -3,7 +3,7 @@
 The only list of datasets: the config schema's dataset keys, the Snakefile's ``{dataset}``
 wildcard, the raw files each job reads, the shard jobs and the shard stage's readers all come
 from here. Adding a dataset is one module defining its adapter and one line below (see the
-README, "Adding a dataset"). Imported by the Snakefile for every DAG it builds.
+docs/datasets.md, "Adding a dataset"). Imported by the Snakefile for every DAG it builds.
 """
 from __future__ import annotations
 
