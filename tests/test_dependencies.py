@@ -13,7 +13,7 @@ Where each fact lives:
                           envs/requirements.txt.
 torch and torchvision are deliberately not in pyproject.toml: envs/setup.sh installs the pinned
 build from envs/requirements.txt, or keeps a cluster's own CUDA build (CHEXFLOW_SKIP_TORCH=1).
-Horovod is built against that torch by ``python -m chexflow.install.horovod`` (envs/setup.sh runs
+Horovod is built against that torch by ``python -m chexflow_install.horovod`` (envs/chexflow_install; envs/setup.sh runs
 it; the train env file says to). The tests hold them to exactly that.
 
 What a command imports is found from its source, not by importing it: chexflow imports numpy,
@@ -51,7 +51,7 @@ REQUIREMENTS = REPO / "envs" / "requirements.txt"
 SETUP_SH = REPO / "envs" / "setup.sh"
 # installed outside pyproject.toml (see the module docstring)
 PINNED_OUTSIDE = {"torch", "torchvision"}          # pinned in envs/requirements.txt and the conda envs
-BUILT_OUTSIDE = {"horovod": "chexflow.install.horovod"}   # built by this module
+BUILT_OUTSIDE = {"horovod": "chexflow_install.horovod"}   # built by this installer (envs/)
 
 
 # --------------------------------------------------------------------------- what the code imports
