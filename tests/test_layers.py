@@ -118,3 +118,14 @@ def test_the_check_sees_lazy_imports_and_circles(monkeypatch):
     src = "def f():\n    from chexflow.evaluate import metrics as M\n"
     tree_imports = {n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)}
     assert tree_imports == {"chexflow.evaluate"}
+
+
+def test_runtime_package_does_not_import_the_installers():
+    """The installers (envs/chexflow_install: Horovod build, SLURM plugin patch) are build tooling:
+    they use the package (chexflow.fsutil), never the other way round."""
+    users = sorted(m for m, path in MODULES.items()
+                   if any(isinstance(node, (ast.Import, ast.ImportFrom))
+                          and any(n.startswith("chexflow_install") for n in
+                                  [getattr(node, "module", None) or "", *(a.name for a in node.names)])
+                          for node in ast.walk(ast.parse(path.read_text()))))
+    assert not users and not (PACKAGE / "install").exists(), f"runtime modules importing the installers: {users}"
