@@ -31,32 +31,30 @@ class _Dropped(Exception):
         self.tries = 1                       # requests the policy made for the broken response
 
 
-RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
-
-
+RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})   # answers worth asking again
 NETWORK_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
-
-
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
 
 def retry_policy(retries: int, backoff: float) -> Retry:
     """The retry policy of every request: ``retries`` retries of connection errors, timeouts and
-    ``RETRY_STATUS`` answers, waiting ``backoff * 2**(n-1)`` s before the n-th retry after the first
-    (urllib3's schedule, at most 120 s) or what the server's ``Retry-After`` says."""
+    ``RETRY_STATUS`` answers. Between them it waits what the server's ``Retry-After`` says, or else
+    urllib3's exponential backoff: nothing before the first retry, ``backoff * 2**(n-1)`` s (at most
+    120 s) before the n-th."""
     return Retry(total=retries, backoff_factor=backoff, status_forcelist=RETRY_STATUS,
                  allowed_methods=frozenset({"GET"}), raise_on_status=False, respect_retry_after_header=True)
 
 
-def session(policy: Retry) -> requests.Session:
-    session = requests.Session()
+def make_session(policy: Retry) -> requests.Session:
+    """A requests session whose http(s) requests all follow ``policy``."""
+    s = requests.Session()
     adapter = HTTPAdapter(max_retries=policy)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
+    s.mount("http://", adapter)
+    s.mount("https://", adapter)
+    return s
 
 
-def tries(resp: requests.Response) -> int:
+def requests_made(resp: requests.Response) -> int:
     """Requests that the policy made for this response: 1 + its retries."""
     retries = getattr(resp.raw, "retries", None)
     return 1 + len(retries.history) if retries is not None else 1
@@ -78,7 +76,7 @@ def _http_attempt(session: requests.Session, url: str, part: Path, h: Hashes, si
     except NETWORK_ERRORS as exc:
         raise DownloadError(f"{url}: giving up under the retry policy: {type(exc).__name__}: {exc}") from exc
     with resp:
-        code, n = resp.status_code, tries(resp)
+        code, n = resp.status_code, requests_made(resp)
         if code in (404, 410):
             raise NotFoundError(f"{url}: HTTP {code} {resp.reason} (file not found on the server)")
         if code in RETRY_STATUS:
@@ -146,7 +144,7 @@ def fetch_http(url: str, part: Path, h: Hashes, size: int | None, *, retries: in
     policy = retry_policy(retries, backoff)
     drops = policy                        # resumes of broken transfers, counted by the same policy
     attempts, resumed, total = 0, False, size
-    with session(policy) as s:
+    with make_session(policy) as s:
         while not (size is not None and h.n == size):  # a complete .part from an earlier run: just verify it
             try:
                 r, n = _http_attempt(s, url, part, h, size, size is not None, timeout, progress, chunk)
@@ -158,7 +156,6 @@ def fetch_http(url: str, part: Path, h: Hashes, size: int | None, *, retries: in
                     drops = drops.increment("GET", url, error=ProtocolError(str(exc)))
                 except MaxRetryError:
                     _give_up(url, part, h, total, attempts, str(exc))
-                resumed = resumed or h.n > 0
                 print(f"{url}: {exc}; resuming ({len(drops.history)}/{retries})", file=sys.stderr)
                 drops.sleep()
     return attempts, resumed
@@ -173,7 +170,7 @@ def _give_up(url: str, part: Path, h: Hashes, total: int | None, attempts: int, 
 
 def read_text(url: str, *, retries: int, backoff: float, timeout: float) -> str:
     """The text at an http(s) ``url`` (e.g. a checksums file), under the same retry policy."""
-    with session(retry_policy(retries, backoff)) as s:
+    with make_session(retry_policy(retries, backoff)) as s:
         try:
             resp = s.get(url, timeout=timeout)
         except NETWORK_ERRORS as exc:
@@ -181,5 +178,6 @@ def read_text(url: str, *, retries: int, backoff: float, timeout: float) -> str:
     if resp.status_code in (404, 410):
         raise NotFoundError(f"{url}: HTTP {resp.status_code} {resp.reason}")
     if resp.status_code != 200:
-        raise DownloadError(f"{url}: cannot read (HTTP {resp.status_code} {resp.reason} after {tries(resp)} attempts)")
+        raise DownloadError(f"{url}: cannot read (HTTP {resp.status_code} {resp.reason} after "
+                            f"{requests_made(resp)} attempts)")
     return resp.text
