@@ -128,4 +128,5 @@ def test_runtime_package_does_not_import_the_installers():
                           and any(n.startswith("chexflow_install") for n in
                                   [getattr(node, "module", None) or "", *(a.name for a in node.names)])
                           for node in ast.walk(ast.parse(path.read_text()))))
-    assert not users and not (PACKAGE / "install").exists(), f"runtime modules importing the installers: {users}"
+    assert not users, f"runtime modules importing the installers: {users}"
+    assert not [m for m in MODULES if m.startswith("chexflow.install")], "the installers live in envs/chexflow_install"
