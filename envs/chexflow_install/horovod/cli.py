@@ -59,6 +59,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, python: str, env: dict[str, str]) -> int:
+    key, mpi_compiler = _decide(args, python, env)
+    cache_dir = resolve_cache_dir(args.cache_dir, env, Path.home())
+    say(f"cache key: {key.dirname()} (wheel version {key.version()})")
+    say(f"cache dir: {cache_dir}")
+    if _installed_already(args, python, key):
+        return 0
+    wheel = None if args.force else cached_wheel(cache_dir, key)
+    if args.dry_run:
+        plan = f"install cached wheel {wheel}" if wheel else "build a new wheel"
+        say(f"dry run: would {plan}")
+        return 0
+    logs = cache_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{key.dirname()}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    ensure_build_deps(python, log)      # also Horovod's run-time deps: the wheel is installed --no-deps
+    wheel = _wheel(args, python, env, key, cache_dir, mpi_compiler, log, wheel)
+    if args.no_install:
+        say(f"install: skipped (--no-install); wheel: {wheel}")
+        return 0
+    say(f"install: pip install {wheel.name} into {python}")
+    install_wheel(python, wheel, log)
+    verify(python)
+    say("done")
+    return 0
+
+
+def _decide(args: argparse.Namespace, python: str, env: Mapping[str, str]) -> tuple[BuildKey, str | None]:
+    """(the build key, the MPI compiler), each decision said on its own line."""
     torch = probe_torch(python)
     say(f"python: {python} ({python_tag()})")
     say(f"torch: {torch.version} (CUDA {torch.cuda_version or 'none'}, cuda available: {torch.cuda_available})")
@@ -75,11 +103,11 @@ def _run(args: argparse.Namespace, python: str, env: dict[str, str]) -> int:
     say("gloo: yes (always); frontends: pytorch only")
     compilers = ", ".join(f"{n}={env[n]}" for n in ("CC", "CXX") if env.get(n)) or "CMake default (c++ on PATH)"
     say(f"compiler: {compilers}")
-    key = BuildKey(HOROVOD_VERSION, torch.version, python_tag(), platform.machine(), cxx_std, mpi, nccl)
-    cache_dir = resolve_cache_dir(args.cache_dir, env, Path.home())
-    say(f"cache key: {key.dirname()} (wheel version {key.version()})")
-    say(f"cache dir: {cache_dir}")
+    return BuildKey(HOROVOD_VERSION, torch.version, python_tag(), platform.machine(), cxx_std, mpi, nccl), mpi_compiler
 
+
+def _installed_already(args: argparse.Namespace, python: str, key: BuildKey) -> bool:
+    """Whether the installed Horovod has this key and works (then nothing is to be done)."""
     if args.force:
         say("installed check: skipped (--force)")
     elif args.reinstall or args.no_install:
@@ -88,38 +116,25 @@ def _run(args: argparse.Namespace, python: str, env: dict[str, str]) -> int:
         ok, why = installed_status(python, key)
         if ok:
             say(f"nothing to do: {why} (same key; --force rebuilds)")
-            return 0
+            return True
         say(f"installed check: {why}")
+    return False
 
-    wheel = None if args.force else cached_wheel(cache_dir, key)
-    if args.dry_run:
-        plan = f"install cached wheel {wheel}" if wheel else "build a new wheel"
-        say(f"dry run: would {plan}")
-        return 0
 
-    logs = cache_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{key.dirname()}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    ensure_build_deps(python, log)      # also Horovod's run-time deps: the wheel is installed --no-deps
-    if wheel is not None:
-        say(f"wheel: using cached {wheel} (no rebuild)")
-    else:
-        with file_lock(cache_dir / f".{key.dirname()}.lock"):
-            wheel = None if args.force else cached_wheel(cache_dir, key)  # built meanwhile by another process?
-            if wheel is not None:
-                say(f"wheel: using cached {wheel} (built by a concurrent run)")
-            else:
-                say(("wheel: rebuilding (--force)" if args.force else "wheel: not in cache, building")
-                    + f"; build log: {log}")
-                wheel = _build(args, python, env, key, cache_dir, mpi_compiler, log)
-    if args.no_install:
-        say(f"install: skipped (--no-install); wheel: {wheel}")
-        return 0
-    say(f"install: pip install {wheel.name} into {python}")
-    install_wheel(python, wheel, log)
-    verify(python)
-    say("done")
-    return 0
+def _wheel(args: argparse.Namespace, python: str, env: Mapping[str, str], key: BuildKey, cache_dir: Path,
+           mpi_compiler: str | None, log: Path, cached: Path | None) -> Path:
+    """The cached wheel, or one built now (under a lock, so two concurrent runs build it once)."""
+    if cached is not None:
+        say(f"wheel: using cached {cached} (no rebuild)")
+        return cached
+    with file_lock(cache_dir / f".{key.dirname()}.lock"):
+        wheel = None if args.force else cached_wheel(cache_dir, key)  # built meanwhile by another process?
+        if wheel is not None:
+            say(f"wheel: using cached {wheel} (built by a concurrent run)")
+            return wheel
+        say(("wheel: rebuilding (--force)" if args.force else "wheel: not in cache, building")
+            + f"; build log: {log}")
+        return _build(args, python, env, key, cache_dir, mpi_compiler, log)
 
 
 def _build(args: argparse.Namespace, python: str, env: Mapping[str, str], key: BuildKey,
