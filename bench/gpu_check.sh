@@ -32,7 +32,7 @@ WORKERS=${BENCH_WORKERS:-$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))}
 mkdir -p "$RES"
 stamp=$(date +%Y%m%d-%H%M%S)
 say() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-export PYTHONPATH="$PWD/workflow${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/workflow:$PWD/envs${PYTHONPATH:+:$PYTHONPATH}"   # envs/: the installers
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" \
   || { say "no CUDA device visible to $PY: nothing to check"; exit 2; }
@@ -40,9 +40,9 @@ declare -A status
 
 say "chexflow (editable, no dependency changes) and Horovod"
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install-$stamp.log" 2>&1 || true
-if "$PY" -m chexflow.install.horovod >>"$RES/install-$stamp.log" 2>&1; then
+if "$PY" -m chexflow_install.horovod >>"$RES/install-$stamp.log" 2>&1; then
   status[horovod_build]=nccl
-elif "$PY" -m chexflow.install.horovod --with-nccl no >>"$RES/install-$stamp.log" 2>&1; then
+elif "$PY" -m chexflow_install.horovod --with-nccl no >>"$RES/install-$stamp.log" 2>&1; then
   status[horovod_build]=no-gpu-ops
 else
   status[horovod_build]=failed

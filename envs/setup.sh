@@ -5,9 +5,10 @@
 #   test) and procps; the local SLURM test cluster installs its own packages;
 #   .venv with envs/requirements.txt: the pinned packages and chexflow itself (editable) with every
 #   group of pyproject.toml (the one list of what chexflow needs), the SLURM executor plugin patched
-#   for its node-failure bug (python -m chexflow.install.slurm_plugin), and Horovod 0.28.1 built against
-#   the installed torch (python -m chexflow.install.horovod, cached wheel under
-#   ~/.cache/chexflow/wheels).
+#   for its node-failure bug, and Horovod 0.28.1 built against the installed torch (cached wheel under
+#   ~/.cache/chexflow/wheels); both by the installers in envs/chexflow_install (build tooling, not part
+#   of the chexflow package), run with envs/ on PYTHONPATH: python -m chexflow_install.slurm_plugin and
+#   python -m chexflow_install.horovod.
 #
 # Usage: bash envs/setup.sh [--test]
 # Cluster users: load your site's compilers/CUDA/MPI modules first; set CHEXFLOW_SKIP_TORCH=1 to
@@ -57,10 +58,13 @@ else
   .venv/bin/pip install -q -r envs/requirements.txt
 fi
 
+# the installers (envs/chexflow_install) run with envs/ in front of the module path
+installer() { PYTHONPATH="$PWD/envs${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python -m "chexflow_install.$1"; }
+
 say "snakemake-executor-plugin-slurm: the node-failure fix (envs/patches/slurm-plugin-node-fail.md)"
-.venv/bin/python -m chexflow.install.slurm_plugin
+installer slurm_plugin
 
 say "Horovod (built once against this torch, then taken from the wheel cache)"
-.venv/bin/python -m chexflow.install.horovod
+installer horovod
 
 say "ready: $(.venv/bin/python -c 'import torch, horovod; print("torch", torch.__version__, "| horovod", horovod.__version__)')"

@@ -15,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
+sys.path.insert(0, str(REPO / "envs"))            # chexflow_install: the installers (build tooling)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chexflow.data.config import ShardConfig  # noqa: E402
@@ -31,7 +32,7 @@ def horovod_available() -> bool:
 
 
 requires_horovod = pytest.mark.skipif(not horovod_available(),
-                                      reason="horovod not built here (python -m chexflow.install.horovod)")
+                                      reason="horovod not built here (bash envs/setup.sh)")
 
 
 def checkpoint_step(path: Path) -> int:

@@ -25,6 +25,7 @@ class Fault:
     status: int | None = None        # always answer with this status (e.g. 404, 410, 403)
     fail_status: int = 500           # status of the first fail_times requests
     fail_times: int = 0
+    retry_after: str | None = None   # Retry-After header of those failing answers
     drop_after: int | None = None    # send this many body bytes, then close the connection ...
     drop_times: int = 0              # ... on the first drop_times requests
     ignore_range: bool = False       # answer Range requests with 200 and the whole file
@@ -40,6 +41,7 @@ class Request:
     path: str                        # URL path without the leading "/", unquoted
     range: str | None                # the Range header, if any
     status: int
+    time: float = 0.0                # time.monotonic() when the request arrived
 
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
@@ -65,7 +67,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _status_only(self, rel: str, code: int, n: int, extra: dict[str, str] | None = None) -> None:
-        self.server.record(Request(self.command, rel, self.headers.get("Range"), code))
+        self.server.record(Request(self.command, rel, self.headers.get("Range"), code, self.arrived))
         msg = f"{code} for {rel}\n".encode()
         self.send_response(code)
         for k, v in (extra or {}).items():
@@ -79,13 +81,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, body: bool) -> None:
         rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
         n = self.server.count(rel)                    # 1 for the first request to this path
+        self.arrived = time.monotonic()
         fault = self.server.faults.get(rel, Fault())
         if n <= fault.stall_times:
             time.sleep(fault.stall_s)
         if fault.status is not None:
             return self._status_only(rel, fault.status, n)
         if n <= fault.fail_times:
-            return self._status_only(rel, fault.fail_status, n)
+            extra = {"Retry-After": fault.retry_after} if fault.retry_after is not None else None
+            return self._status_only(rel, fault.fail_status, n, extra)
         path = (self.server.root / rel).resolve()
         if self.server.root not in path.parents or not path.is_file():
             return self._status_only(rel, 404, n)
@@ -103,7 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 rng = None
         code = 206 if rng else 200
-        self.server.record(Request(self.command, rel, self.headers.get("Range"), code))
+        self.server.record(Request(self.command, rel, self.headers.get("Range"), code, self.arrived))
         self.send_response(code)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Accept-Ranges", "bytes")

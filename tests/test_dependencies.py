@@ -13,7 +13,7 @@ Where each fact lives:
                           envs/requirements.txt.
 torch and torchvision are deliberately not in pyproject.toml: envs/setup.sh installs the pinned
 build from envs/requirements.txt, or keeps a cluster's own CUDA build (CHEXFLOW_SKIP_TORCH=1).
-Horovod is built against that torch by ``python -m chexflow.install.horovod`` (envs/setup.sh runs
+Horovod is built against that torch by ``python -m chexflow_install.horovod`` (envs/chexflow_install; envs/setup.sh runs
 it; the train env file says to). The tests hold them to exactly that.
 
 What a command imports is found from its source, not by importing it: chexflow imports numpy,
@@ -51,7 +51,8 @@ REQUIREMENTS = REPO / "envs" / "requirements.txt"
 SETUP_SH = REPO / "envs" / "setup.sh"
 # installed outside pyproject.toml (see the module docstring)
 PINNED_OUTSIDE = {"torch", "torchvision"}          # pinned in envs/requirements.txt and the conda envs
-BUILT_OUTSIDE = {"horovod": "chexflow.install.horovod"}   # built by this module
+BUILT_OUTSIDE = {"horovod": "chexflow_install.horovod"}   # built by this installer (envs/)
+OWN = {"chexflow", "chexflow_install"}     # the package and its installers (envs/chexflow_install)
 
 
 # --------------------------------------------------------------------------- what the code imports
@@ -165,7 +166,7 @@ def command_imports(subcommand: str) -> frozenset[str]:
 
 def third_party(modules) -> set[str]:
     tops = {m.split(".")[0] for m in modules}
-    return {t for t in tops if t != "chexflow" and t not in sys.stdlib_module_names}
+    return {t for t in tops if t not in OWN and t not in sys.stdlib_module_names}
 
 
 @cache
@@ -346,7 +347,7 @@ def third_party_imports(folder: Path) -> set[str]:
     return third_party(modules) - {p.stem for p in files}
 
 
-@pytest.mark.parametrize("folder", ["workflow/chexflow", "tests", "bench"])
+@pytest.mark.parametrize("folder", ["workflow/chexflow", "envs/chexflow_install", "tests", "bench"])
 def test_imports_are_declared_in_pyproject_and_installed_by_requirements(folder):
     declared = set().union(*pyproject_groups().values())
     req_names, req_pins = requirements_txt()

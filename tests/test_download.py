@@ -160,6 +160,59 @@ def test_connection_refused_retries_then_fails(tmp_path):
     assert not (tmp_path / "x.bin").exists()
 
 
+def test_retry_after_is_honoured(www, big, tmp_path):
+    """The policy waits what the server's Retry-After says (1 s), not its own backoff (0.01 s)."""
+    name, data = big
+    dest = tmp_path / name
+    with FileServer(www) as srv:
+        srv.set_fault(name, Fault(fail_status=429, fail_times=1, retry_after="1"))
+        res = D.fetch(srv.url(name), dest, sha256=_sha(data), **FAST)
+        gets = _gets(srv, name)
+    assert [g.status for g in gets] == [429, 200] and res.attempts == 2 and dest.read_bytes() == data
+    assert gets[1].time - gets[0].time >= 1.0
+
+
+@pytest.mark.parametrize("code", [400, 403])
+def test_other_4xx_is_final(www, big, tmp_path, code):
+    name, data = big
+    with FileServer(www) as srv:
+        srv.set_fault(name, Fault(status=code))
+        with pytest.raises(D.DownloadError, match=rf"HTTP {code}"):
+            D.fetch(srv.url(name), tmp_path / name, sha256=_sha(data), **FAST)
+        assert len(_gets(srv, name)) == 1
+
+
+def test_checksums_file_follows_the_same_retry_policy(www, tmp_path):
+    """The checksums file is read under the policy of fetch: 5xx retried up to ``retries``, 404 not."""
+    (www / "SUMS").write_text(f"{'c' * 64}  x.bin\n")
+    with FileServer(www) as srv:
+        srv.set_fault("SUMS", Fault(fail_status=503, fail_times=2))
+        assert D.load_checksums(srv.url("SUMS"), retries=2, backoff=0.01) == {"x.bin": "c" * 64}
+        assert [g.status for g in _gets(srv, "SUMS")] == [503, 503, 200]
+        srv.set_fault("SUMS2", Fault(fail_status=503, fail_times=5))
+        with pytest.raises(D.DownloadError, match=r"HTTP 503 .* after 2 attempts"):
+            D.load_checksums(srv.url("SUMS2"), retries=1, backoff=0.01)
+        assert len(_gets(srv, "SUMS2")) == 2
+        with pytest.raises(D.NotFoundError, match="HTTP 404"):
+            D.load_checksums(srv.url("NOPE"), retries=3, backoff=0.01)
+        assert len(_gets(srv, "NOPE")) == 1
+    policy = D.retry_policy(4, 0.5)
+    assert policy.total == 4 and set(policy.status_forcelist) == set(D.RETRY_STATUS) == {408, 425, 429, 500, 502,
+                                                                                         503, 504}
+
+
+def test_failed_requests_then_a_dropped_transfer_are_both_retried(www, big, tmp_path):
+    """Two 503s retried by the policy, then a transfer cut off at 1 MB and resumed from there."""
+    name, data = big
+    dest = tmp_path / name
+    with FileServer(www) as srv:
+        srv.set_fault(name, Fault(fail_status=503, fail_times=2, drop_after=MB, drop_times=3))
+        res = D.fetch(srv.url(name), dest, sha256=_sha(data), **FAST)
+        gets = _gets(srv, name)
+    assert [(g.status, g.range) for g in gets] == [(503, None), (503, None), (200, None), (206, f"bytes={MB}-")]
+    assert res.attempts == 4 and res.resumed and dest.read_bytes() == data
+
+
 # ----------------------------------------------------------------------------- failures
 def test_checksum_mismatch_names_file_and_both_sums(www, big, tmp_path):
     name, data = big
@@ -423,3 +476,33 @@ def test_fashion_mnist_pins_match_debian_copies(tmp_path):
         assert _md5(body) == f.md5 and _sha(body) == f.sha256 and len(body) == f.size
         assert body[10:].startswith(f.name[:-3].encode() + b"\0") and body[10 + len(f.name) - 2:] == deb.read_bytes()[10:]
         assert D.fetch_source_file(src, f.name, tmp_path, DEBIAN_FASHION_MNIST_DIR, progress=False).cached
+
+
+def test_local_header_of_a_source_is_written_instead_of_the_copy_s_first_bytes(tmp_path):
+    """A source's ``local_header`` (Fashion-MNIST's for Debian's copies) rewrites a local copy's first
+    bytes; the result is verified against the pins; over HTTP it is not asked; the downloader itself
+    names no dataset."""
+    official = b"HEADER-v1|" + _payload(50_000)
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / "f.bin").write_bytes(b"hdr" + official[10:])          # a 3-byte header instead of 10
+    asked = []
+
+    def header(rf, path):
+        asked.append((rf.name, path))
+        return official[:10], 3
+
+    rf = S.RemoteFile("f.bin", None, sha256=_sha(official), size=len(official))
+    src = S.Source("toy", "Toy", (rf,), local_header=header)
+    res = D.fetch_source_file(src, "f.bin", tmp_path / "out", str(mirror), progress=False)
+    assert res.path.read_bytes() == official and asked == [("f.bin", mirror / "f.bin")]
+    (mirror / "g.bin").write_bytes(b"hdr" + official[10:])
+    bad = S.Source("toy", "Toy", (S.RemoteFile("g.bin", None, sha256="0" * 64),), local_header=header)
+    with pytest.raises(D.ChecksumMismatch, match="g.bin"):
+        D.fetch_source_file(bad, "g.bin", tmp_path / "out", str(mirror), progress=False)
+    with FileServer(mirror) as srv:
+        plain = S.Source("toy", "Toy", (S.RemoteFile("f.bin", None),), local_header=header)
+        res = D.fetch_source_file(plain, "f.bin", tmp_path / "http", srv.base_url, **FAST)
+    assert res.path.read_bytes() == (mirror / "f.bin").read_bytes() and len(asked) == 2
+    text = "".join(Path(m.__file__).read_text().lower() for m in (D, S))
+    assert "fashion" not in text and "debian" not in text

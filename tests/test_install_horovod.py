@@ -1,4 +1,4 @@
-"""Tests of chexflow.install.horovod: pure decisions and patches, plus (slow) a real 2-rank run."""
+"""Tests of chexflow_install.horovod (envs/): pure decisions and patches, plus (slow) a real 2-rank run."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
-from chexflow.install import horovod as inst
-
-WORKFLOW_DIR = Path(inst.__file__).resolve().parents[2]
+from chexflow_install.horovod import cli, common, decide, patch, probe, wheel
+from conftest import REPO
 
 ROOT_CMAKE = textwrap.dedent(
     """\
@@ -86,11 +85,11 @@ HEADER = textwrap.dedent(
 )
 
 
-def key(**over) -> inst.BuildKey:
+def key(**over) -> decide.BuildKey:
     base = dict(horovod="0.28.1", torch="2.14.1+cu130", python="cp311", machine="x86_64",
                 cxx_std=20, mpi=True, nccl=False)
     base.update(over)
-    return inst.BuildKey(**base)
+    return decide.BuildKey(**base)
 
 
 # ---------------------------------------------------------------- C++ standard
@@ -102,35 +101,35 @@ def key(**over) -> inst.BuildKey:
      ("2.0.1+cu118", 17), ("1.13.1", 17), ("2.15.0.dev20260101", 20), ("3.0.0", 20), ("2.14", 20)],
 )
 def test_choose_cxx_std(version, std):
-    assert inst.choose_cxx_std(version) == std
+    assert decide.choose_cxx_std(version) == std
 
 
 def test_parse_torch_version_rejects_garbage():
     with pytest.raises(ValueError, match="torch version 'abc'"):
-        inst.parse_torch_version("abc")
+        decide.parse_torch_version("abc")
 
 
 def test_set_cxx_standard_patches_statements_not_strings():
-    out = inst.set_cxx_standard(ROOT_CMAKE, 20)
+    out = patch.set_cxx_standard(ROOT_CMAKE, 20)
     assert "\nset(CMAKE_CXX_STANDARD 20)\n" in out
     assert "set(CMAKE_CXX_STANDARD 14)" not in out
     # the TF-compat gloo string is data, not a statement: left alone
     assert 'string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 17)\\n")' in out
-    assert inst.set_cxx_standard(out, 20) == out  # idempotent
-    torch = inst.set_cxx_standard(TORCH_CMAKE, 17)
+    assert patch.set_cxx_standard(out, 20) == out  # idempotent
+    torch = patch.set_cxx_standard(TORCH_CMAKE, 17)
     assert "    set(CMAKE_CXX_STANDARD 17)\n" in torch
-    assert inst.set_cxx_standard(torch, 17) == torch
-    assert "CMAKE_CXX_STANDARD 20" in inst.set_cxx_standard(torch, 20)  # re-targetable
+    assert patch.set_cxx_standard(torch, 17) == torch
+    assert "CMAKE_CXX_STANDARD 20" in patch.set_cxx_standard(torch, 20)  # re-targetable
 
 
 def test_set_cxx_standard_names_file_when_nothing_to_patch():
-    with pytest.raises(inst.InstallError, match="horovod/torch/CMakeLists.txt: no 'set"):
-        inst.set_cxx_standard("project(x)\n", 20, source="horovod/torch/CMakeLists.txt")
+    with pytest.raises(common.InstallError, match="horovod/torch/CMakeLists.txt: no 'set"):
+        patch.set_cxx_standard("project(x)\n", 20, source="horovod/torch/CMakeLists.txt")
 
 
 def test_cuda_standard_patch():
-    out = inst.set_cuda_standard(CUDA_CMAKE, 17)
-    assert "set(CMAKE_CUDA_STANDARD 17)" in out and inst.set_cuda_standard(out, 17) == out
+    out = patch.set_cuda_standard(CUDA_CMAKE, 17)
+    assert "set(CMAKE_CUDA_STANDARD 17)" in out and patch.set_cuda_standard(out, 17) == out
 
 
 # ---------------------------------------------------------------- CUDA guards
@@ -145,25 +144,25 @@ def _balanced(text: str) -> bool:
 
 
 def test_guard_cuda_detection_wraps_whole_block_and_is_idempotent():
-    out = inst.guard_cuda_detection(ROOT_CMAKE)
+    out = patch.guard_cuda_detection(ROOT_CMAKE)
     assert _balanced(ROOT_CMAKE) and _balanced(out)
-    guard = out.index(inst.NO_CUDA_ENV)
+    guard = out.index(common.NO_CUDA_ENV)
     assert guard < out.index("check_language(CUDA)")
     assert out.index("enable_language(CUDA)") < out.index("endif()  # chexflow: CUDA detection guard")
     assert out.index("endif()  # chexflow: CUDA detection guard") < out.index("string(PREPEND")
-    assert inst.guard_cuda_detection(out) == out
+    assert patch.guard_cuda_detection(out) == out
 
 
 def test_guard_cuda_detection_missing_anchor():
-    with pytest.raises(inst.InstallError, match="CMakeLists.txt: cannot find"):
-        inst.guard_cuda_detection("project(x)\n")
+    with pytest.raises(common.InstallError, match="CMakeLists.txt: cannot find"):
+        patch.guard_cuda_detection("project(x)\n")
 
 
 def test_guard_pytorch_cuda_idempotent():
-    out = inst.guard_pytorch_cuda(FIND_PYTORCH)
+    out = patch.guard_pytorch_cuda(FIND_PYTORCH)
     assert out.count("set(Pytorch_CUDA FALSE)") == 1
     assert out.index("set(Pytorch_CUDA FALSE)") < out.index("Pytorch_EXT")
-    assert inst.guard_pytorch_cuda(out) == out
+    assert patch.guard_pytorch_cuda(out) == out
     assert _balanced(out)
 
 
@@ -171,22 +170,22 @@ def test_guard_pytorch_cuda_idempotent():
 
 
 def test_add_includes_prepends_only_missing_and_is_idempotent():
-    out = inst.add_includes(HEADER, ("cstdint", "stdexcept", "string"))
-    assert out.startswith(inst.INCLUDE_BANNER)
+    out = patch.add_includes(HEADER, ("cstdint", "stdexcept", "string"))
+    assert out.startswith(patch.INCLUDE_BANNER)
     assert out.count("#include <cstdint>") == 1 and out.count("#include <stdexcept>") == 1
     assert out.count("#include <string>") == 1  # already there: not added again
     assert out.endswith(HEADER)
-    assert inst.add_includes(out, ("cstdint", "stdexcept", "string")) == out
+    assert patch.add_includes(out, ("cstdint", "stdexcept", "string")) == out
 
 
 def test_add_includes_noop_when_all_present():
     text = "#include <cstdint>\n#  include <stdexcept>\nint x;\n"
-    assert inst.add_includes(text, ("cstdint", "stdexcept")) == text
+    assert patch.add_includes(text, ("cstdint", "stdexcept")) == text
 
 
 def test_missing_includes_table_only_standard_headers():
     allowed = {"cstdint", "stdexcept", "string"}
-    for rel, headers in inst.MISSING_INCLUDES.items():
+    for rel, headers in patch.MISSING_INCLUDES.items():
         assert rel.endswith((".h", ".cc")) and not rel.startswith("/")
         assert set(headers) <= allowed, rel
 
@@ -195,10 +194,10 @@ def _fake_tree(root: Path) -> None:
     contents = {
         "CMakeLists.txt": ROOT_CMAKE,
         "horovod/torch/CMakeLists.txt": TORCH_CMAKE,
-        inst.FIND_PYTORCH_FILE: FIND_PYTORCH,
-        inst.CUDA_STD_FILE: CUDA_CMAKE,
+        patch.FIND_PYTORCH_FILE: FIND_PYTORCH,
+        patch.CUDA_STD_FILE: CUDA_CMAKE,
     }
-    for rel in inst.MISSING_INCLUDES:
+    for rel in patch.MISSING_INCLUDES:
         contents.setdefault(rel, HEADER)
     for rel, text in contents.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -207,19 +206,19 @@ def _fake_tree(root: Path) -> None:
 
 def test_patch_source_tree_then_idempotent(tmp_path):
     _fake_tree(tmp_path)
-    changed = inst.patch_source_tree(tmp_path, 20)
-    assert set(changed) == set(inst.files_to_patch())
+    changed = patch.patch_source_tree(tmp_path, 20)
+    assert set(changed) == set(patch.files_to_patch())
     assert "set(CMAKE_CXX_STANDARD 20)" in (tmp_path / "horovod/torch/CMakeLists.txt").read_text()
     assert "#include <cstdint>" in (tmp_path / "third_party/gloo/gloo/types.h").read_text()
-    assert inst.patch_source_tree(tmp_path, 20) == []
+    assert patch.patch_source_tree(tmp_path, 20) == []
     assert not list(tmp_path.rglob(".*.tmp*"))  # no temp files left behind
 
 
 def test_patch_source_tree_names_missing_file(tmp_path):
     _fake_tree(tmp_path)
     (tmp_path / "third_party/gloo/gloo/types.h").unlink()
-    with pytest.raises(inst.InstallError, match="gloo/types.h: expected in the Horovod"):
-        inst.patch_source_tree(tmp_path, 20)
+    with pytest.raises(common.InstallError, match="gloo/types.h: expected in the Horovod"):
+        patch.patch_source_tree(tmp_path, 20)
 
 
 # ---------------------------------------------------------------- keys, decisions, env
@@ -247,18 +246,18 @@ def test_cache_key_is_filename_safe_and_a_valid_version():
 
 
 def test_decide_mpi():
-    assert inst.decide_mpi("auto", "/usr/bin/mpicxx", "(on PATH)")[0] is True
-    assert inst.decide_mpi("auto", None, "")[0] is False
-    assert inst.decide_mpi("no", "/usr/bin/mpicxx", "(on PATH)")[0] is False
-    with pytest.raises(inst.InstallError, match="--with-mpi yes"):
-        inst.decide_mpi("yes", None, "")
+    assert decide.decide_mpi("auto", "/usr/bin/mpicxx", "(on PATH)")[0] is True
+    assert decide.decide_mpi("auto", None, "")[0] is False
+    assert decide.decide_mpi("no", "/usr/bin/mpicxx", "(on PATH)")[0] is False
+    with pytest.raises(common.InstallError, match="--with-mpi yes"):
+        decide.decide_mpi("yes", None, "")
 
 
 def test_decide_nccl():
-    assert inst.decide_nccl("auto", False)[0] is False
-    assert inst.decide_nccl("auto", True)[0] is True
-    assert inst.decide_nccl("yes", False)[0] is True
-    assert inst.decide_nccl("no", True)[0] is False
+    assert decide.decide_nccl("auto", False)[0] is False
+    assert decide.decide_nccl("auto", True)[0] is True
+    assert decide.decide_nccl("yes", False)[0] is True
+    assert decide.decide_nccl("no", True)[0] is False
 
 
 def _exe(path: Path) -> Path:
@@ -269,23 +268,23 @@ def _exe(path: Path) -> Path:
 
 def test_find_mpi_compiler(tmp_path):
     mpicxx = _exe(tmp_path / "mympicxx")
-    assert inst.find_mpi_compiler({"MPICXX": str(mpicxx), "PATH": ""}) == (str(mpicxx), "(from $MPICXX)")
+    assert decide.find_mpi_compiler({"MPICXX": str(mpicxx), "PATH": ""}) == (str(mpicxx), "(from $MPICXX)")
     show = {"HOROVOD_MPICXX_SHOW": f"{mpicxx} -show", "PATH": ""}
-    assert inst.find_mpi_compiler(show)[0] == str(mpicxx)
+    assert decide.find_mpi_compiler(show)[0] == str(mpicxx)
     _exe(tmp_path / "mpicxx")
-    assert inst.find_mpi_compiler({"PATH": str(tmp_path)}) == (str(tmp_path / "mpicxx"), "(on PATH)")
-    assert inst.find_mpi_compiler({"PATH": str(tmp_path / "nothing")}) == (None, "")
-    with pytest.raises(inst.InstallError, match="MPICXX='/no/such'"):
-        inst.find_mpi_compiler({"MPICXX": "/no/such", "PATH": ""})
+    assert decide.find_mpi_compiler({"PATH": str(tmp_path)}) == (str(tmp_path / "mpicxx"), "(on PATH)")
+    assert decide.find_mpi_compiler({"PATH": str(tmp_path / "nothing")}) == (None, "")
+    with pytest.raises(common.InstallError, match="MPICXX='/no/such'"):
+        decide.find_mpi_compiler({"MPICXX": "/no/such", "PATH": ""})
 
 
 def test_build_env_cpu_with_mpi():
     user = {"PATH": "/usr/bin", "HOROVOD_GPU_ALLREDUCE": "NCCL", "HOROVOD_WITHOUT_MPI": "1",
             "CXX": "g++-13", "HOROVOD_CUDA_HOME": "/opt/cuda"}
-    env = inst.build_env(user, key(mpi=True, nccl=False), mpi_compiler="/opt/mpi/bin/mpicxx", jobs=4)
+    env = decide.build_env(user, key(mpi=True, nccl=False), mpi_compiler="/opt/mpi/bin/mpicxx", jobs=4)
     assert env["HOROVOD_WITH_MPI"] == "1" and "HOROVOD_WITHOUT_MPI" not in env
     assert env["PATH"].split(os.pathsep)[0] == "/opt/mpi/bin"
-    assert env[inst.NO_CUDA_ENV] == "1"
+    assert env[common.NO_CUDA_ENV] == "1"
     assert not any(k.startswith("HOROVOD_GPU") for k in env)
     assert env["HOROVOD_WITH_PYTORCH"] == "1" and env["HOROVOD_WITHOUT_TENSORFLOW"] == "1"
     assert env["HOROVOD_WITHOUT_MXNET"] == "1" and env["HOROVOD_WITH_GLOO"] == "1"
@@ -298,9 +297,9 @@ def test_build_env_cpu_with_mpi():
 def test_build_env_nccl_without_mpi_respects_user_settings():
     user = {"PATH": "/usr/bin", "MAKEFLAGS": "-j32", "CMAKE_POLICY_VERSION_MINIMUM": "3.10",
             "HOROVOD_CUDA_HOME": "/opt/cuda", "HOROVOD_WITH_MPI": "1"}
-    env = inst.build_env(user, key(mpi=False, nccl=True), mpi_compiler=None, jobs=2, nccl_home="/x/nccl")
+    env = decide.build_env(user, key(mpi=False, nccl=True), mpi_compiler=None, jobs=2, nccl_home="/x/nccl")
     assert env["HOROVOD_WITHOUT_MPI"] == "1" and "HOROVOD_WITH_MPI" not in env
-    assert env["HOROVOD_GPU_OPERATIONS"] == "NCCL" and inst.NO_CUDA_ENV not in env
+    assert env["HOROVOD_GPU_OPERATIONS"] == "NCCL" and common.NO_CUDA_ENV not in env
     assert env["CUDA_HOME"] == "/opt/cuda" and env["HOROVOD_NCCL_HOME"] == "/x/nccl"
     assert env["MAKEFLAGS"] == "-j32" and env["CMAKE_POLICY_VERSION_MINIMUM"] == "3.10"
     assert env["PATH"] == "/usr/bin"
@@ -308,28 +307,28 @@ def test_build_env_nccl_without_mpi_respects_user_settings():
 
 def test_resolve_cache_dir(tmp_path):
     home = tmp_path / "home"
-    assert inst.resolve_cache_dir(None, {}, home) == home / ".cache/chexflow/wheels"
-    assert inst.resolve_cache_dir(None, {"CHEXFLOW_WHEEL_CACHE": "/c"}, home) == Path("/c")
-    assert inst.resolve_cache_dir("/d", {"CHEXFLOW_WHEEL_CACHE": "/c"}, home) == Path("/d")
+    assert wheel.resolve_cache_dir(None, {}, home) == home / ".cache/chexflow/wheels"
+    assert wheel.resolve_cache_dir(None, {"CHEXFLOW_WHEEL_CACHE": "/c"}, home) == Path("/c")
+    assert wheel.resolve_cache_dir("/d", {"CHEXFLOW_WHEEL_CACHE": "/c"}, home) == Path("/d")
 
 
 def test_store_and_find_cached_wheel(tmp_path):
     k = key()
-    assert inst.cached_wheel(tmp_path, k) is None
+    assert wheel.cached_wheel(tmp_path, k) is None
     built = tmp_path / "build" / f"horovod-{k.version()}-cp311-cp311-linux_x86_64.whl"
     built.parent.mkdir()
     built.write_bytes(b"PK fake")
-    stored = inst.store_wheel(built, tmp_path / "cache", k)
+    stored = wheel.store_wheel(built, tmp_path / "cache", k)
     assert stored.parent == tmp_path / "cache" / k.dirname() and stored.read_bytes() == b"PK fake"
-    assert inst.cached_wheel(tmp_path / "cache", k) == stored
-    assert inst.cached_wheel(tmp_path / "cache", key(mpi=False)) is None
+    assert wheel.cached_wheel(tmp_path / "cache", k) == stored
+    assert wheel.cached_wheel(tmp_path / "cache", key(mpi=False)) is None
     assert [p.name for p in stored.parent.iterdir()] == [stored.name]  # no temp file left
 
 
 def test_cli_rejects_bad_choice(capsys):
     with pytest.raises(SystemExit):
-        inst.parse_args(["--with-mpi", "maybe"])
-    args = inst.parse_args(["--cxx-std", "17", "--with-nccl", "no", "--force"])
+        cli.parse_args(["--with-mpi", "maybe"])
+    args = cli.parse_args(["--cxx-std", "17", "--with-nccl", "no", "--force"])
     assert args.cxx_std == 17 and args.with_nccl == "no" and args.force
 
 
@@ -340,14 +339,15 @@ def _horovod_or_skip():
     try:
         import horovod.torch as hvd  # noqa: F401
     except Exception as err:  # ImportError, or a broken native extension
-        pytest.skip(f"horovod.torch is not importable ({err}); run `python -m chexflow.install.horovod` first")
+        pytest.skip(f"horovod.torch is not importable ({err}); run `bash envs/setup.sh` first")
     return hvd
 
 
 def _run_module(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKFLOW_DIR), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "chexflow.install.horovod", *args],
+    paths = [str(REPO / "workflow"), str(REPO / "envs"), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    return subprocess.run([sys.executable, "-m", "chexflow_install.horovod", *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -390,7 +390,7 @@ def test_horovodrun_two_ranks_gloo_stay_in_sync(tmp_path):
     _horovod_or_skip()
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
-    horovodrun = inst.horovodrun_path(sys.executable)
+    horovodrun = probe.horovodrun_path(sys.executable)
     if not shutil.which(horovodrun):
         pytest.skip(f"{horovodrun} not found")
     proc = subprocess.run(
@@ -416,7 +416,7 @@ def test_second_install_uses_cache_without_rebuilding():
         pytest.skip("no cached wheel for this environment's key (horovod was installed another way)")
     proc = _run_module("--reinstall")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"{inst.SAY_PREFIX} wheel: using cached" in proc.stdout
+    assert f"{common.SAY_PREFIX} wheel: using cached" in proc.stdout
     assert "building" not in proc.stdout and "build log" not in proc.stdout
     assert "hvd.init() ok" in proc.stdout
 
@@ -428,5 +428,5 @@ def test_install_is_a_noop_when_installed_with_same_key():
     proc = _run_module("--dry-run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if "installed horovod is" in proc.stdout:
-        pytest.skip("the installed horovod was not built by chexflow.install.horovod for this key")
-    assert f"{inst.SAY_PREFIX} nothing to do:" in proc.stdout, proc.stdout
+        pytest.skip("the installed horovod was not built by chexflow_install.horovod for this key")
+    assert f"{common.SAY_PREFIX} nothing to do:" in proc.stdout, proc.stdout

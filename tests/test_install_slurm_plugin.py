@@ -1,4 +1,4 @@
-"""chexflow.install.slurm_plugin: the patch of snakemake-executor-plugin-slurm 2.8.0's node-failure
+"""chexflow_install.slurm_plugin (envs/): the patch of snakemake-executor-plugin-slurm 2.8.0's node-failure
 exclusion (issue 18.3). Its behaviour on a real node failure is tested on the local SLURM cluster
 (test_slurm_cluster.py) and through a whole workflow run (test_slurm_workflow.py)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.metadata
 
 import pytest
 
-from chexflow.install import slurm_plugin as P
+from chexflow_install import slurm_plugin as P
 
 
 def installed_text() -> str:
@@ -17,7 +17,7 @@ def installed_text() -> str:
 def test_installed_plugin_is_the_pinned_release_and_patched():
     """envs/setup.sh applies the patch; without it one node failure stops the workflow."""
     assert importlib.metadata.version(P.DIST) == P.VERSION
-    assert P.is_patched(installed_text()), "run `python -m chexflow.install.slurm_plugin` (envs/setup.sh does)"
+    assert P.is_patched(installed_text()), "run `bash envs/setup.sh` (it runs chexflow_install.slurm_plugin)"
     assert P.main(["--check"]) == 0
     import snakemake_executor_plugin_slurm as plugin
     assert callable(plugin._chexflow_failed_nodes)

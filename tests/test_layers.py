@@ -14,7 +14,7 @@ from conftest import REPO
 PACKAGE = REPO / "workflow" / "chexflow"
 # top-level module or subpackage of chexflow -> its layer (a lower layer never imports a higher one)
 LAYERS = {"__init__": 0, "fsutil": 0, "settings": 0, "data": 1, "train": 2, "evaluate": 3, "report": 4, "predict": 4,
-          "studies": 5, "config": 6, "cli": 6, "__main__": 6, "install": 6, "profiles": 6}
+          "studies": 5, "config": 6, "cli": 6, "__main__": 6, "profiles": 6}
 
 
 def _modules() -> dict[str, Path]:
@@ -118,3 +118,15 @@ def test_the_check_sees_lazy_imports_and_circles(monkeypatch):
     src = "def f():\n    from chexflow.evaluate import metrics as M\n"
     tree_imports = {n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)}
     assert tree_imports == {"chexflow.evaluate"}
+
+
+def test_runtime_package_does_not_import_the_installers():
+    """The installers (envs/chexflow_install: Horovod build, SLURM plugin patch) are build tooling:
+    they use the package (chexflow.fsutil), never the other way round."""
+    users = sorted(m for m, path in MODULES.items()
+                   if any(isinstance(node, (ast.Import, ast.ImportFrom))
+                          and any(n.startswith("chexflow_install") for n in
+                                  [getattr(node, "module", None) or "", *(a.name for a in node.names)])
+                          for node in ast.walk(ast.parse(path.read_text()))))
+    assert not users, f"runtime modules importing the installers: {users}"
+    assert not [m for m in MODULES if m.startswith("chexflow.install")], "the installers live in envs/chexflow_install"

@@ -350,9 +350,9 @@ def test_node_failure_of_a_requeued_job_excludes_the_failed_node_not_none_assign
     """Issue 18.3 at the plugin's level: a 2-node job with --requeue, one node set down. By the time
     snakemake-executor-plugin-slurm 2.8.0 asks `sacct -X` for the failed job's nodes, SLURM has
     requeued it and the answer is "None assigned", which the plugin put into every later sbatch as
-    `--exclude=None assigned`. The patched lookup (chexflow.install.slurm_plugin) reads the failed
+    `--exclude=None assigned`. The patched lookup (chexflow_install.slurm_plugin) reads the failed
     run's row (`sacct -D`) and excludes exactly the node SLURM reports unusable."""
-    from chexflow.install import slurm_plugin
+    from chexflow_install import slurm_plugin
     import snakemake_executor_plugin_slurm as plugin
     env = slurm_cluster.env
     (tmp_path / "job.sh").write_text("#!/bin/bash\nsrun -n 2 sleep 300\n")

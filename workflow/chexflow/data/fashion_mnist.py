@@ -36,13 +36,27 @@ _FMNIST = (
 # Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist) ships the same compressed
 # streams, but dh_strip_nondeterminism rewrote each gzip header: FNAME dropped, MTIME set to the
 # packaging time. The official header is FLG=FNAME, this MTIME, XFL=0, OS=3 (Unix), the name
-# without ".gz". chexflow.data.download.restore_debian_gzip rebuilds the official bytes.
+# without ".gz". debian_gzip_header gives the official header for chexflow.data.download to write.
 FASHION_MNIST_GZIP_MTIME = {
     "train-images-idx3-ubyte.gz": 1504176606,   # 2017-08-31 10:50:06 UTC
     "train-labels-idx1-ubyte.gz": 1504176606,
     "t10k-images-idx3-ubyte.gz": 1504176627,    # 2017-08-31 10:50:27 UTC
     "t10k-labels-idx1-ubyte.gz": 1504176627,
 }
+
+
+def debian_gzip_header(file: RemoteFile, path: Path) -> tuple[bytes, int] | None:
+    """(the official gzip header, 10): what replaces a Debian copy's normalised 10-byte header
+    (no optional fields); None for any other copy (taken as it is and checked by the pins)."""
+    mtime = FASHION_MNIST_GZIP_MTIME.get(file.name)
+    if mtime is None or not Path(path).is_file():
+        return None
+    with open(path, "rb") as fh:
+        head = fh.read(10)
+    if len(head) < 10 or head[:4] != b"\x1f\x8b\x08\x00":      # gzip, deflate, FLG 0: normalised
+        return None
+    name = file.name.removesuffix(".gz").encode("latin-1") + b"\0"
+    return b"\x1f\x8b\x08\x08" + struct.pack("<I", mtime) + head[8:10] + name, 10   # FLG = FNAME; XFL, OS kept
 
 
 def source() -> Source:
@@ -52,6 +66,7 @@ def source() -> Source:
         files=tuple(RemoteFile(name=n, url=_FMNIST_BASE + n, md5=md5, sha256=sha, size=size, role=role)
                     for n, md5, sha, size, role in _FMNIST),
         how_to_obtain="Official files at " + _FMNIST_BASE + " (no registration needed).",
+        local_header=debian_gzip_header,
     )
 
 

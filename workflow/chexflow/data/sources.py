@@ -18,7 +18,7 @@ import dataclasses
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 ROLES = ("archive", "images", "labels", "split_list", "boxes", "checksums", "devkit", "data")
 
@@ -39,6 +39,12 @@ class RemoteFile:
             raise ValueError(f"{self.name!r}: a file name, not a path, is expected")
 
 
+# For a mirror whose local copies differ from the official files only in their first bytes (e.g. a
+# rewritten gzip header): (file, path of the local copy) -> (the official first bytes, how many bytes
+# of the copy they replace), or None where the copy is the official file. Checked by the pins as usual.
+LocalHeader = Callable[[RemoteFile, Path], "tuple[bytes, int] | None"]
+
+
 @dataclass(frozen=True)
 class Source:
     name: str
@@ -47,6 +53,7 @@ class Source:
     checksums_file: str | None = None  # sha256sum-format file at the same base giving sums for unpinned files
     synthetic: bool = False
     how_to_obtain: str = ""            # shown when a URL is None and no mirror is given
+    local_header: LocalHeader | None = None   # how a local mirror's copies differ (see LocalHeader)
 
     def file(self, name: str) -> RemoteFile:
         for f in self.files:

@@ -24,7 +24,7 @@ def local_command(backend: str, n: int, cmd: list[str]) -> list[str]:
     if backend == "horovod":
         horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable), "horovodrun")
         if not os.path.exists(horovodrun):
-            raise FileNotFoundError("horovodrun not found: build Horovod with `python -m chexflow.install.horovod`"
+            raise FileNotFoundError("horovodrun not found: build Horovod with `bash envs/setup.sh`"
                                     " or set train.backend: ddp")
         return [horovodrun, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interface", "lo",
                 "--start-timeout", "120", *cmd]

@@ -63,7 +63,7 @@ class HorovodBackend(Backend):
         except ImportError as exc:
             raise DistributedError(
                 "train.backend is 'horovod' but horovod is not importable "
-                f"({exc}); build it with `python -m chexflow.install.horovod` or set train.backend: ddp"
+                f"({exc}); build it with `bash envs/setup.sh` or set train.backend: ddp"
             ) from exc
         self.hvd = hvd
         hvd.init()

@@ -13,7 +13,7 @@ failed run itself (``sacct -D``, the NODE_FAIL row) and, of those nodes, only th
 reports down, drained or not responding now (``sinfo``), so a multi-node job's healthy nodes and
 a node already back in service are not excluded for the rest of the workflow.
 
-Applied by ``envs/setup.sh`` (``python -m chexflow.install.slurm_plugin``) as chexflow.install.horovod
+Applied by ``envs/setup.sh`` (``python -m chexflow_install.slurm_plugin``) as chexflow_install.horovod
 patches Horovod: idempotent (a marker says it is applied), only to the release it was written for
 (envs/requirements.txt pins it), and failing loudly, with what to do, when the installed plugin is
 another version or its code is not the one the patch expects. ``--check`` only reports.
@@ -100,7 +100,7 @@ def patch_text(text: str, *, source: str = f"{PACKAGE}/__init__.py") -> str:
     if text.count(ORIGINAL) != 1:
         raise PatchError(f"{source}: the NODE_FAIL node lookup this patch replaces is not there (found "
                          f"{text.count(ORIGINAL)} times): the plugin's code changed. Check upstream issue #485 "
-                         f"and {WRITEUP}, then update chexflow/install/slurm_plugin.py")
+                         f"and {WRITEUP}, then update envs/chexflow_install/slurm_plugin.py")
     return text.replace(ORIGINAL, REPLACEMENT).rstrip("\n") + "\n" + HELPER
 
 
@@ -124,17 +124,18 @@ def apply_to(path: Path, version: str, *, check: bool = False) -> str:
     if version != VERSION:
         raise PatchError(f"{DIST} {version} is installed; chexflow's patch for its node-failure bug is written "
                          f"for {VERSION} (envs/requirements.txt): install {DIST}=={VERSION}, or check whether "
-                         f"{version} fixes upstream issue #485 ({WRITEUP}) and update chexflow/install/slurm_plugin.py")
+                         f"{version} fixes upstream issue #485 ({WRITEUP}) and update "
+                         "envs/chexflow_install/slurm_plugin.py")
     new = patch_text(text, source=str(path))
     if check:
-        raise PatchError(f"{path}: {DIST} {version} is not patched (run `python -m chexflow.install.slurm_plugin`)")
+        raise PatchError(f"{path}: {DIST} {version} is not patched (run `bash envs/setup.sh`)")
     compile(new, str(path), "exec")         # a patch that does not even compile is never written
     write_text_atomic(path, new)
     return f"{path}: patched {DIST} {version} ({WRITEUP})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m chexflow.install.slurm_plugin", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m chexflow_install.slurm_plugin", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only report whether the installed plugin is patched")
     args = ap.parse_args(argv)
     try:

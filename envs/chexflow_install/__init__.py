@@ -1,0 +1,11 @@
+"""Installers of chexflow's native dependencies: build tooling, not part of the runtime package.
+
+Run from the checkout with ``envs/`` on the module path (``envs/setup.sh`` does, after installing
+chexflow, whose ``chexflow.fsutil`` they use for atomic writes)::
+
+    PYTHONPATH=envs .venv/bin/python -m chexflow_install.horovod [--help]
+    PYTHONPATH=envs .venv/bin/python -m chexflow_install.slurm_plugin [--check]
+
+``horovod``: build Horovod 0.28.1 against the installed torch (cached wheel); ``slurm_plugin``: the
+node-failure fix of snakemake-executor-plugin-slurm 2.8.0.
+"""

@@ -1,1 +1,0 @@
-"""Installers for chexflow's native dependencies (``python -m chexflow.install.horovod``)."""
