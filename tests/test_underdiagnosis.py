@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from scipy.stats import binomtest
 
 from chexflow.evaluate import underdiagnosis as U
 
@@ -48,7 +49,13 @@ def test_rates_by_hand_at_image_and_patient_level():
     assert (female["image"]["missed"], female["image"]["n"], female["patient"]["missed"], female["patient"]["n"]) \
         == (2, 3, 1, 2)
     assert (male["image"]["rate"], male["patient"]["rate"]) == (0.0, 0.0)
-    assert female["image"]["ci"] is not None and female["note"] == ""
+    # none missed: the bootstrap collapses at 0; the exact interval bounds it (Clopper-Pearson, 0 of 2: 1 - 0.025 ** 0.5)
+    assert male["patient"]["ci"] == [0.0, 0.0] and male["patient"]["ci_exact"] == pytest.approx([0.0, 1 - 0.025 ** 0.5])
+    assert male["note"].startswith("none missed: the bootstrap CI collapses to the rate; exact 95% CI of the patient "
+                                   "rate 0.000-0.842")
+    assert o["patient"]["ci_exact"] == pytest.approx(
+        list(binomtest(1, 4).proportion_ci(confidence_level=0.95, method="exact")))
+    assert female["image"]["ci"] is not None and female["note"] == ""      # 1 of 2 patients missed
     # a cell's patient level is over its own images: female x AP holds only p1's flagged i1
     inter = {(c["attribute"], c["group"]): c for c in rec["intersections"]}
     fap = inter[("sex x view", "female, AP")]

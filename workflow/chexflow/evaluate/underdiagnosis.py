@@ -16,7 +16,8 @@ denominator is empty are dropped):
 Per subgroup (sex, age band, view; the fields of ``subgroups.read_fields``) and per pairwise
 intersection of them, each over the images in the cell. A cell with fewer than ``min_count`` patients
 with a finding shows its rates without a CI and says why; the report lists intersections only where
-they are large enough.
+they are large enough. Where none (or all) of a cell's patients are missed the percentile bootstrap
+collapses to the rate: the cell then gives the exact (Clopper-Pearson) interval of its patient rate.
 """
 from __future__ import annotations
 
@@ -70,7 +71,20 @@ def rates(has_finding: np.ndarray, missed: np.ndarray, patients: np.ndarray, *, 
         ok = den > 0
         out[key]["ci"] = [float(v) for v in np.percentile(num[ok] / den[ok], q)] if ok.any() else None
         out[key]["n_resamples_used"] = int(ok.sum())
+    p = out["patient"]
+    p["ci_exact"] = exact_ci(p["missed"], p["n"], alpha=alpha)
+    if p["missed"] in (0, p["n"]):
+        out["note"] = (f"{'none' if p['missed'] == 0 else 'all'} missed: the bootstrap CI collapses to the rate; "
+                       f"exact {100 * (1 - alpha):g}% CI of the patient rate {p['ci_exact'][0]:.3f}-{p['ci_exact'][1]:.3f}")
     return out
+
+
+def exact_ci(k: int, n: int, *, alpha: float = 0.05) -> list[float]:
+    """Clopper-Pearson interval of k/n (scipy): patients are independent units, so at patient level
+    the exact binomial interval is valid too; it bounds a rate the bootstrap cannot (0 or n of n)."""
+    from scipy.stats import binomtest
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=1.0 - alpha, method="exact")
+    return [float(ci.low), float(ci.high)]
 
 
 def _point(n: int, missed: int) -> dict:
@@ -126,10 +140,11 @@ def table(record: dict) -> list[dict]:
                 row.update({f"{level}s_with_finding": e["n"], f"{level}s_missed": e["missed"],
                             f"{level}_rate": e["rate"], f"{level}_ci_low": (e["ci"] or [None, None])[0],
                             f"{level}_ci_high": (e["ci"] or [None, None])[1]})
+            row.update(zip(("patient_exact_ci_low", "patient_exact_ci_high"), c["patient"].get("ci_exact") or [None, None]))
             rows.append({**row, "note": c["note"]})
     return rows
 
 
 COLUMNS = ("kind", "attribute", "group", "n_images", "n_patients", "images_with_finding", "images_missed",
            "image_rate", "image_ci_low", "image_ci_high", "patients_with_finding", "patients_missed", "patient_rate",
-           "patient_ci_low", "patient_ci_high", "note")
+           "patient_ci_low", "patient_ci_high", "patient_exact_ci_low", "patient_exact_ci_high", "note")
