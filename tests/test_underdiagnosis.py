@@ -104,3 +104,19 @@ def test_patient_bootstrap_ci_matches_an_independent_resampling_loop():
     assert rec["image"]["rate"] == pytest.approx((has & missed).sum() / has.sum())
     assert rec["image"]["ci"] == pytest.approx(np.percentile(img, [2.5, 97.5]), abs=0.01)
     assert rec["patient"]["ci"] == pytest.approx(np.percentile(pat, [2.5, 97.5]), abs=0.01)
+
+
+def test_the_report_refuses_a_malformed_record_naming_the_key():
+    from chexflow.report import analyses
+    from chexflow.report.errors import ReportInputError
+    y, s, patients, fields = _case()
+    rec = U.audit(y, s, patients, LABELS, THRESHOLDS, fields, age_edges=(18, 40, 60, 80), min_count=2,
+                  n_resamples=20, seed=0)
+    view = analyses.underdiagnosis_view({"underdiagnosis": rec})
+    assert view["overall"]["image"]["rate"] == 0.4 and view["groups"][0]["attribute_name"] == "Sex"
+    assert view["n_intersections_left_out"] == sum(c["patient"]["ci"] is None for c in rec["intersections"])
+    del rec["groups"][2]["patient"]["missed"]
+    with pytest.raises(ReportInputError, match=r"metrics.json: underdiagnosis.groups\[2\] must be an object"):
+        analyses.underdiagnosis_view({"underdiagnosis": rec})
+    with pytest.raises(ReportInputError, match=r"localisation.labels\['Mass'\] must be an object"):
+        analyses.localisation_view({"localisation": {"labels": {"Mass": {"n": 3, "hits": 1}}}, "labels": {}}, None, [])

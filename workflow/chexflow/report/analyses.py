@@ -47,10 +47,30 @@ def underdiagnosis_view(metrics: dict[str, Any]) -> dict[str, Any] | None:
     def named(cells: list[dict]) -> list[dict]:
         return [{**c, "attribute_name": attribute_name(c["attribute"])} for c in cells]
 
+    for key in ("groups", "intersections"):
+        for k, c in enumerate(rec.get(key) or []):
+            _check_cell(c, f"underdiagnosis.{key}[{k}]")
+    if rec.get("overall") is not None:
+        _check_cell(rec["overall"], "underdiagnosis.overall")
     inter = named(rec.get("intersections") or [])
     shown = [c for c in inter if c["patient"]["ci"] is not None]
     return {**rec, "groups": named(rec.get("groups") or []), "intersections": shown,
             "n_intersections_left_out": len(inter) - len(shown), "overall": rec.get("overall")}
+
+
+CELL_KEYS = ("attribute", "group", "note")
+RATE_KEYS = ("n", "missed", "rate", "ci")
+VERDICT_KEYS = ("n", "n_no_saliency", "n_pointed", "hits", "hits_range", "n_tied", "hit_rate", "ci", "random_point",
+                "centre_point", "p_above", "mean_iobb", "verdict_text", "elsewhere")
+
+
+def _check_cell(cell: Any, where: str) -> None:
+    """An underdiagnosis cell of metrics.json as the evaluation writes it, or an error naming the key."""
+    ok = isinstance(cell, dict) and all(k in cell for k in CELL_KEYS) and all(
+        isinstance(cell.get(level), dict) and all(k in cell[level] for k in RATE_KEYS) for level in ("image", "patient"))
+    if not ok:
+        raise ReportInputError(f"metrics.json: {where} must be an object with {list(CELL_KEYS)} and image/patient "
+                               f"rates {list(RATE_KEYS)}, got {str(cell)[:200]}")
 
 
 def localisation_view(metrics: dict[str, Any], saliency: Path | None, labels: list[str]) -> dict[str, Any] | None:
@@ -58,6 +78,10 @@ def localisation_view(metrics: dict[str, Any], saliency: Path | None, labels: li
     if not loc and saliency is None:
         return None
     loc = loc or {}
+    for lab, e in (loc.get("labels") or {}).items():
+        if not isinstance(e, dict) or any(k not in e for k in VERDICT_KEYS):
+            raise ReportInputError(f"metrics.json: localisation.labels[{lab!r}] must be an object with "
+                                   f"{list(VERDICT_KEYS)} (an evaluation of this version), got {str(e)[:200]}")
     rows = [{"display": plots.display_name(lab), **e, "auroc": metrics["labels"].get(lab, {}).get("auroc")}
             for lab, e in (loc.get("labels") or {}).items()]
     totals = {k: sum(r.get(k) or 0 for r in rows) for k in ("n", "n_no_saliency", "n_pointed", "n_tied", "hits")}
