@@ -1,5 +1,5 @@
 # Evaluation: the selected model on the test split: AUROC per finding with bootstrap CIs, PR,
-# calibration and operating points, AUROC by subgroup (the release's label table), Grad-CAM
+# calibration and operating points, AUROC and underdiagnosis by subgroup (the release's label table), Grad-CAM
 # heatmaps scored against the release's box list (evaluation_inputs). evaluate_model is the body
 # the studies' evaluations (evaluate_ablation, evaluate_seed, evaluate_sweep_winner) share through
 # `use rule ... with:`. Evaluation refuses a model whose run id is not the one of the training
@@ -17,6 +17,7 @@ rule evaluate_model:
         auroc=report("results/evaluate/auroc.csv", caption="../report/auroc.rst", category="Evaluation"),
         calibration="results/evaluate/calibration.csv",
         subgroups="results/evaluate/subgroups.csv",
+        underdiagnosis="results/evaluate/underdiagnosis.csv",
         localisation="results/evaluate/localisation.csv",
         saliency="results/evaluate/saliency.npz",
     log:

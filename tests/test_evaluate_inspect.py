@@ -4,6 +4,7 @@ computations from the files the evaluation wrote (scikit-learn, the label table,
 the report's new sections and the model card, also in the real headless Chromium."""
 from __future__ import annotations
 
+import html as html_lib
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from scipy.stats import binomtest
 from sklearn.metrics import average_precision_score, brier_score_loss, roc_auc_score
 
 from chexflow.data import nih
@@ -85,9 +87,12 @@ def test_subgroups_match_the_label_table(evaluated):
         assert g["n_images"] == sel.sum() and g["n_patients"] == pred.loc[sel, "patient"].nunique()
         for label, e in g["labels"].items():
             y, s = pred.loc[sel, label], pred.loc[sel, f"{label}_score"]
+            pos_pat = pred.loc[sel & (pred[label] == 1), "patient"].nunique()
+            neg_pat = pred.loc[sel & (pred[label] == 0), "patient"].nunique()
+            assert (e["n_pos_patients"], e["n_neg_patients"]) == (pos_pat, neg_pat)
             if y.nunique() == 2:
                 assert e["auroc"] == pytest.approx(roc_auc_score(y, s), abs=1e-4)
-                assert (e["ci"] is None) == (min((y == 1).sum(), (y == 0).sum()) < 2)
+                assert (e["ci"] is None) == (min(pos_pat, neg_pat) < 2)     # the rule counts patients
             else:
                 assert e["auroc"] is None and e["note"] == "one class only"
     view = table.loc[pred["image"], "View Position"].to_numpy()
@@ -110,17 +115,70 @@ def test_localisation_scores_every_boxed_positive_of_the_test_split(evaluated):
     rows = pd.read_csv(evaluated / "evaluate" / "localisation.csv")
     for label, e in loc["labels"].items():
         mine = rows[rows["label"] == label]
-        assert e["hits"] == int(mine["hit"].sum()) and e["random_point"] == pytest.approx(mine["random_point"].mean(), abs=1e-5)
-    # the gallery's heatmaps point where localisation.csv says
+        pointed = mine[~mine["no_saliency"].astype(bool)]
+        assert (e["n"], e["n_no_saliency"], e["n_pointed"]) == (len(mine), len(mine) - len(pointed), len(pointed))
+        assert e["hits"] == int((pointed["hit"].astype(str) == "True").sum())
+        assert mine.loc[mine["no_saliency"].astype(bool), "hit"].isna().all()     # no saliency: neither hit nor miss
+        if len(pointed):
+            assert e["random_point"] == pytest.approx(pointed["random_point"].mean(), abs=1e-5)
+            assert e["p_above"] == pytest.approx(binomtest(e["hits"], e["n_pointed"], e["chance"],
+                                                           alternative="greater").pvalue)
+    # the gallery's heatmaps point where localisation.csv says: the centroid of the tied maxima
     with np.load(evaluated / "evaluate" / "saliency.npz", allow_pickle=False) as z:
         meta, heat = json.loads(str(z["meta"])), z["heatmaps"].astype(float)
     assert meta and {x["kind"] for x in meta} <= {"TP", "FP"}
     by = rows.set_index(["image", "label"])
+    checked = 0
     for k, x in enumerate(meta):
-        if x["boxes"] and heat[k].max() > heat[k].min():
-            r, c = np.unravel_index(np.argmax(heat[k]), heat[k].shape)
-            hit = any(x0 <= c + 0.5 <= x1 and y0 <= r + 0.5 <= y1 for x0, y0, x1, y1 in x["boxes"])
-            assert bool(by.loc[(x["image"], x["label"]), "hit"]) == hit
+        if x["boxes"]:
+            row = by.loc[(x["image"], x["label"])]
+            if row["no_saliency"]:
+                assert x["point"] == [None, None]
+                continue
+            px, py = x["point"]
+            assert (px, py) == pytest.approx((row["point_x"], row["point_y"]), abs=1e-5)
+            hit = any(x0 <= px <= x1 and y0 <= py <= y1 for x0, y0, x1, y1 in x["boxes"])
+            assert str(row["hit"]) == str(hit)
+            near = np.argwhere(heat[k] >= heat[k].max() * (1 - 2e-3))       # float16 in the gallery
+            assert near[:, 1].min() + 0.5 <= px <= near[:, 1].max() + 0.5
+            checked += 1
+    assert checked
+
+
+def _underdiagnosis_by_hand(root: Path) -> dict:
+    """Image- and patient-level underdiagnosis from predictions.csv, the thresholds in metrics.json and
+    the label table, with pandas: overall and by sex."""
+    m = _metrics(root)
+    pred = pd.read_csv(root / "evaluate" / "predictions.csv", dtype={"patient": str})
+    thr = {lab: e["threshold_val_youden"] for lab, e in m["labels"].items() if "threshold_val_youden" in e}
+    pred["finding"] = (pred[list(m["labels"])] == 1).any(axis=1)
+    pred["called_none"] = np.logical_and.reduce([pred[f"{lab}_score"] < t for lab, t in thr.items()])
+    table = pd.read_csv(root / "raw" / nih.LABEL_CSV_NAME).set_index("Image Index")
+    pred["sex"] = table.loc[pred["image"], "Patient Gender"].map({"M": "male", "F": "female"}).to_numpy()
+    out = {}
+    for name, part in [("all", pred), *[(sex, pred[pred["sex"] == sex]) for sex in ("male", "female")]]:
+        f = part[part["finding"]]
+        per_patient = f.groupby("patient")["called_none"].all()
+        out[name] = (len(f), int(f["called_none"].sum()), len(per_patient), int(per_patient.sum()))
+    return out
+
+
+def test_underdiagnosis_matches_the_predictions(evaluated):
+    m = _metrics(evaluated)
+    rec = m["underdiagnosis"]
+    want = _underdiagnosis_by_hand(evaluated)
+    cells = {"all": rec["overall"], **{g["group"]: g for g in rec["groups"] if g["attribute"] == "sex"}}
+    for name, (n_img, missed_img, n_pat, missed_pat) in want.items():
+        c = cells[name]
+        assert (c["image"]["n"], c["image"]["missed"], c["patient"]["n"], c["patient"]["missed"]) == \
+            (n_img, missed_img, n_pat, missed_pat), name
+        if c["patient"]["ci"]:
+            assert c["patient"]["ci"][0] <= c["patient"]["rate"] <= c["patient"]["ci"][1]
+    assert n_img > 0 and rec["labels_used"]
+    rows = pd.read_csv(evaluated / "evaluate" / "underdiagnosis.csv")
+    assert rows.loc[0, "kind"] == "overall" and rows.loc[0, "images_missed"] == want["all"][1]
+    assert set(rows["kind"]) == {"overall", "subgroup", "intersection"}
+    assert rows.loc[0, "image_rate"] == pytest.approx(want["all"][1] / want["all"][0], abs=1e-5)
 
 
 def _report(root: Path, out: Path) -> subprocess.CompletedProcess:
@@ -141,23 +199,44 @@ def test_report_sections_and_model_card(evaluated, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     html = (tmp_path / "report.html").read_text()
     m = _metrics(evaluated)
-    for section in ("calibration", "subgroups", "localisation", "model-card"):
+    for section in ("calibration", "subgroups", "underdiagnosis", "localisation", "published", "model-card"):
         assert f'id="{section}"' in html
     loc = {r[0]: r for r in _table(html, "localisation-table")["tbody"]}
     for label, e in m["localisation"]["labels"].items():
         if e["n"]:
-            assert loc[label.replace("_", " ")][1:3] == [str(e["n"]), f"{e['hit_rate']:.3f}"]
+            assert loc[label.replace("_", " ")][1:4] == [str(e["n"]), str(e["n_no_saliency"]),
+                                                        f"{e['hits']} / {e['n_pointed']}"]
+            assert loc[label.replace("_", " ")][-1].endswith(e["verdict_text"])
+    und = _table(html, "underdiagnosis-table")["tbody"]
+    overall = m["underdiagnosis"]["overall"]
+    assert und[0][:5] == ["All test images", "", str(overall["image"]["n"]), str(overall["image"]["missed"]),
+                          f"{overall['image']['rate']:.3f}"]
+    assert und[0][6:9] == [str(overall["patient"]["n"]), str(overall["patient"]["missed"]),
+                           f"{overall['patient']['rate']:.3f}"]
+    pub = {r[0]: r for r in _table(html, "published-table")["tbody"]}
+    assert pub["EVA-X-B (ViT-B/16)"][1] == "0.835" and pub["Medical MAE (ViT-S/16)"][1] == "0.823"
+    assert pub["XProtoNet"][1] == "0.822" and "official NIH split lists" in pub["XProtoNet"][2]
+    assert "for orientation only" in html.split('id="published"')[1].split("</section>")[0]
     sub = _table(html, "subgroup-table")["tbody"]
     assert [r[:3] for r in sub[:2]] == [["Sex", g["group"], str(g["n_images"])] for g in m["subgroups"]["groups"][:2]]
     assert "The model tested is epoch 2's" in html and "tested model: epoch 2" in html
     card = (tmp_path / "model_card.md").read_text()
     assert card.startswith("# Model card: resnet18 fine-tuned on") and "SYNTHETIC" in card
     for head in ("## Data and split", "## Training recipe", "## Test metrics", "## Calibration and operating points",
-                 "## Subgroups", "## Localisation", "## Intended use", "## Limitations this run shows"):
+                 "## Subgroups", "## Underdiagnosis", "## Localisation", "## Intended use",
+                 "## Limitations this run shows"):
         assert head in card
+    o = overall
+    assert (f"| All test images | {o['image']['n']} | {o['image']['rate']:.3f} | "
+            f"{o['image']['ci'][0]:.3f}-{o['image']['ci'][1]:.3f} | {o['patient']['n']} | {o['patient']['rate']:.3f} |") in card
+    assert "EVA-X-B (ViT-B/16) 0.835" in card and "XProtoNet 0.822" in card
+    no_ci = [(g, lab, e) for g in m["subgroups"]["groups"] for lab, e in g["labels"].items()
+             if e["auroc"] is not None and e["ci"] is None]
+    g, lab, e = no_ci[0]          # a cell below the rule: its AUROC without a CI, and why, in the card
+    assert f"{lab.replace('_', ' ')} ({e['n_pos_patients']} pos. / {e['n_neg_patients']} neg. patients)" in card
     atel = m["labels"]["Atelectasis"]
     assert f"| Atelectasis | {atel['auroc']:.3f} | {atel['ci'][0]:.3f}-{atel['ci'][1]:.3f} |" in card
-    assert "Not a medical device" in card and card in html.replace("&#39;", "'").replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+    assert "Not a medical device" in card and card in html_lib.unescape(html)
 
 
 @pytest.mark.slow
@@ -173,5 +252,9 @@ def test_new_sections_render_in_headless_chromium(evaluated, tmp_path):
     scored = [lab for lab, e in m["localisation"]["labels"].items() if e["n"]]
     assert len(_table(dom, "localisation-table")["tbody"]) == len(m["localisation"]["labels"]) and scored
     assert len(_table(dom, "calibration-table")["tbody"]) == 14
+    und = m["underdiagnosis"]
+    shown = 1 + len(und["groups"]) + sum(c["patient"]["ci"] is not None for c in und["intersections"])
+    assert len(_table(dom, "underdiagnosis-table")["tbody"]) == shown
+    assert len(_table(dom, "published-table")["tbody"]) == 7 and "XProtoNet" in dom
     assert 'alt="Grad-CAM of' in dom and 'alt="Reliability diagrams per label"' in dom
     assert "Model card: resnet18" in dom

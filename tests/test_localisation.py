@@ -84,26 +84,75 @@ def test_pointing_game_iobb_and_baselines_by_hand():
     heat[8, 1] = 0.7                     # a smaller region elsewhere: not the largest
     boxes = [(5.0, 0.0, 10.0, 4.0)]      # x 5..10, y 0..4: covers 5 x 4 of 100 pixel centres
     got = L.score(heat, boxes)
-    assert got["hit"] and not got["flat"] and got["point"] == [7, 2]
+    assert got["hit"] and not got["no_saliency"] and got["point"] == [7.5, 2.5] and got["n_tied"] == 1
     assert got["iobb"] == pytest.approx(1.0)            # the detected box lies inside the reference
     assert got["random_point"] == pytest.approx(0.2) and not got["centre_hit"]    # centre (5, 5): below the box
     got = L.score(heat, [(0.0, 0.0, 7.0, 10.0)])        # x 0..7: the detected box x 6..9 overlaps 1 of 3 columns
     assert not got["hit"] and got["iobb"] == pytest.approx(1 / 3) and got["centre_hit"]
-    flat = L.score(np.zeros((10, 10)), boxes)
-    assert flat["flat"] and not flat["hit"] and flat["iobb"] == 0.0
+    for flat_map in (np.zeros((10, 10)), np.full((10, 10), 0.3)):      # all zero, or constant: no saliency
+        flat = L.score(flat_map, boxes)
+        assert flat["no_saliency"] and flat["hit"] is None and flat["point"] == [None, None] and flat["iobb"] == 0.0
 
 
-def test_summary_hit_rate_ci_and_chance():
-    rows = [{"hit": k < 8, "flat": False, "iobb": 0.5, "random_point": 0.1, "centre_hit": k < 2} for k in range(10)]
-    got = L.summarise(rows)
-    assert (got["n"], got["hits"], got["hit_rate"]) == (10, 8, 0.8)
-    z, p, n = 1.959963984540054, 0.8, 10                 # Wilson by hand
+def test_tied_maxima_point_at_their_centroid_whatever_the_scan_order():
+    """A hand-built map with tied maxima inside and outside a box: argmax would take the first in scan
+    order (row 1, inside); the rule takes the centroid of all tied pixels, the same for the map and its
+    transpose, and says how many tie and how many of them lie in the box."""
+    box = [(0.0, 0.0, 4.0, 4.0)]                          # pixel centres of columns and rows 0..3
+    heat = np.zeros((10, 10), np.float32)
+    heat[1, 1] = heat[1, 2] = 1.0                         # two tied maxima in the box ...
+    heat[7, 8] = heat[8, 8] = 1.0                         # ... and two far outside it
+    heat[5, 5] = 1.0 - 1e-7                               # within TIE_RTOL of the maximum: ties too
+    heat[0, 9] = 0.999                                    # a near maximum that does not tie
+    got = L.score(heat, box)
+    cols, rows = [1, 2, 8, 8, 5], [1, 1, 7, 8, 5]
+    assert got["point"] == pytest.approx([np.mean(cols) + 0.5, np.mean(rows) + 0.5])   # (5.3, 4.9): outside
+    assert (got["n_tied"], got["n_tied_inside"], got["hit"]) == (5, 2, False)
+    assert np.unravel_index(np.argmax(heat), heat.shape) == (1, 1)       # argmax alone would have called it a hit
+    t = L.score(heat.T.copy(), [(0.0, 0.0, 4.0, 4.0)])
+    assert t["point"] == pytest.approx(got["point"][::-1]) and t["hit"] is False
+    heat[7, 8] = heat[8, 8] = heat[5, 5] = 0.5            # only the two in the box remain: their centroid, a hit
+    got = L.score(heat, box)
+    assert got["point"] == pytest.approx([2.0, 1.5]) and got["hit"] and got["n_tied_inside"] == got["n_tied"] == 2
+
+
+def _rows(hits: int, misses: int, flat: int, *, random_point: float, centres: int) -> list[dict]:
+    n = hits + misses
+    rows = [{"hit": k < hits, "no_saliency": False, "n_tied": 1, "n_tied_inside": int(k < hits), "iobb": 0.5,
+             "random_point": random_point, "centre_hit": k < centres} for k in range(n)]
+    return rows + [{"hit": None, "no_saliency": True, "n_tied": 0, "n_tied_inside": 0, "iobb": 0.0,
+                    "random_point": random_point, "centre_hit": False} for _ in range(flat)]
+
+
+def test_summary_counts_no_saliency_apart_and_tests_against_the_stronger_baseline():
+    from scipy.stats import binomtest
+    # the issue's Emphysema: 16 of 19 hits, the centre inside the box on 12 of the 19 (0.632), 3 flat maps
+    got = L.summarise(_rows(16, 3, 3, random_point=0.2, centres=12))
+    assert (got["n"], got["n_no_saliency"], got["n_pointed"], got["hits"]) == (22, 3, 19, 16)
+    assert got["hit_rate"] == pytest.approx(16 / 19) and got["centre_point"] == pytest.approx(12 / 19)
+    assert got["baseline"] == "centre point" and got["chance"] == pytest.approx(0.632, abs=5e-4)
+    assert got["p_above"] == pytest.approx(binomtest(16, 19, 12 / 19, alternative="greater").pvalue)
+    assert round(got["p_above"], 3) == 0.042 and got["verdict"] == "above chance"
+    assert "16/19 hits vs the centre point's 0.632, one-sided p = 0.0424" in got["verdict_text"]
+    z, p, n = 1.959963984540054, 16 / 19, 19               # Wilson by hand, over the 19 maps with saliency
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     assert got["ci"] == pytest.approx([centre - half, centre + half])
-    assert got["chance"] == pytest.approx(0.2) and got["above_chance"]       # max(random 0.1, centre 0.2)
-    worse = L.summarise([{**r, "hit": k < 2} for k, r in enumerate(rows)])
-    assert not worse["above_chance"]
+    # the old rule (Wilson lower bound <= chance) called this "not above chance"
+    assert got["ci"][0] < got["chance"]
+    # few maps: even 5/5 against chance 0.6 gives p = 0.6 ** 5 = 0.078
+    few = L.summarise(_rows(4, 1, 0, random_point=0.6, centres=0))
+    assert few["verdict"] == "too few to tell" and few["baseline"] == "random point"
+    assert "even 5/5 hits would not beat" in few["verdict_text"]
+    assert few["p_above"] == pytest.approx(binomtest(4, 5, 0.6, alternative="greater").pvalue)
+    undecided = L.summarise(_rows(5, 15, 0, random_point=0.3, centres=0))
+    assert undecided["verdict"] == "not distinguishable" and "not distinguishable from chance at n = 20" in undecided["verdict_text"]
+    below = L.summarise(_rows(1, 29, 0, random_point=0.3, centres=3), auroc_ci=[0.6, 0.7])
+    assert below["verdict"] == "below chance" and below["elsewhere"]
+    assert below["p_below"] == pytest.approx(binomtest(1, 30, 0.3, alternative="less").pvalue)
+    assert not L.summarise(_rows(1, 29, 0, random_point=0.3, centres=3), auroc_ci=[0.45, 0.7])["elsewhere"]
+    none = L.summarise(_rows(0, 0, 4, random_point=0.3, centres=0))
+    assert none["verdict"] == "no saliency" and none["hit_rate"] is None and none["n_no_saliency"] == 4
     assert L.summarise([])["hit_rate"] is None
 
 
@@ -177,7 +226,7 @@ def test_subgroup_fields_are_checked_and_aurocs_match_scikit_learn(tmp_path):
     lo, hi = male["mean_ci"]
     assert lo < male["mean_auroc"] < hi
     b = male["labels"]["B"]
-    assert b["ci"] is None and ("too few for a CI" in b["note"] or b["note"] == "one class only")
+    assert b["ci"] is None and ("too few patients for a CI" in b["note"] or b["note"] == "one class only")
     unknown = next(g for g in groups if g["attribute"] == "sex" and g["group"] == "unknown")
     assert unknown["n_images"] == 1
     with pytest.raises(subgroups.SubgroupError, match="have no row"):
@@ -185,3 +234,30 @@ def test_subgroup_fields_are_checked_and_aurocs_match_scikit_learn(tmp_path):
     rows.drop(columns=["View Position"]).to_csv(path, index=False)
     with pytest.raises(subgroups.SubgroupError, match=r"missing column\(s\) \['View Position'\]"):
         subgroups.read_fields(path, order, age_edges=(18,))
+
+
+def test_subgroup_ci_rule_counts_patients_not_images(tmp_path):
+    """The issue's female Hernia: 7 positive images of 1 patient get no CI; 5 positive patients do."""
+    n = 60
+    table = pd.DataFrame({"Image Index": [f"i{k}.png" for k in range(n)], "Finding Labels": "No Finding",
+                          "Patient ID": [str(k) for k in range(n)], "Patient Age": "50",
+                          "Patient Gender": "F", "View Position": "PA"})
+    path = tmp_path / nih.LABEL_CSV_NAME
+    table.to_csv(path, index=False)
+    images = list(table["Image Index"])
+    patients = np.array([f"p{k}" for k in range(n)], dtype=object)
+    patients[:7] = "p0"                                    # images 0..6: one patient
+    y = np.zeros((n, 2))
+    y[:7, 0] = 1.0                                          # A: 7 positive images, 1 positive patient
+    y[10:15, 1] = 1.0                                       # B: 5 positive images of 5 patients
+    s = y + np.random.default_rng(0).normal(size=y.shape)
+    fields = subgroups.read_fields(path, images, age_edges=(18, 40, 60, 80))
+    groups = subgroups.subgroup_aurocs(y, s, patients, ["A", "B"], fields, age_edges=(18, 40, 60, 80),
+                                       min_count=5, n_resamples=200, seed=0)
+    female = next(g for g in groups if g["group"] == "female")
+    a, b = female["labels"]["A"], female["labels"]["B"]
+    assert (a["n_pos"], a["n_pos_patients"], a["n_neg_patients"]) == (7, 1, n - 7)
+    assert a["ci"] is None and a["auroc"] == pytest.approx(roc_auc_score(y[:, 0], s[:, 0]))
+    assert a["note"] == "too few patients for a CI (1 positive / 53 negative patients, 5 of each needed)"
+    assert (b["n_pos"], b["n_pos_patients"]) == (5, 5) and b["ci"] is not None and b["note"] == ""
+    assert female["mean_labels"] == ["B"]

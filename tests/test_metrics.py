@@ -378,7 +378,22 @@ def test_each_reference_names_its_split():
     assert all(r.split for r in published.PUBLISHED)
     assert "official NIH" in published.WANG2017.split and "random" in published.CHEXNET.split
     assert "not the official" in published.ARNOWENG.split and "not the official" in published.ZECH.split
-    assert "Wang et al. used the official NIH lists" in published.SPLIT_CAVEAT
+    assert "Wang et al., EVA-X, Medical MAE and XProtoNet used the official NIH lists" in published.SPLIT_CAVEAT
+    assert all(r.pretraining for r in published.PUBLISHED)
+
+
+def test_official_split_state_of_the_art():
+    """The best published results on the official test_list.txt: means as reported, the split and the
+    pretraining per row; no per-finding values that were not checked against the sources."""
+    sota = {r.key: r for r in published.OFFICIAL_SPLIT_STATE_OF_THE_ART}
+    assert {k: r.mean for k, r in sota.items()} == {"eva_x": 0.835, "medical_mae": 0.823, "xprotonet": 0.822}
+    for r in sota.values():
+        assert "official NIH split lists" in r.split and "test_list.txt" in r.split and not r.per_label
+        assert r.citation and r.url.startswith("https://") and r.pretraining
+    assert "2405.05237" in sota["eva_x"].citation and "520k" in sota["eva_x"].pretraining
+    assert "WACV 2023" in sota["medical_mae"].citation and "266,340" in sota["medical_mae"].pretraining
+    assert "CVPR 2021" in sota["xprotonet"].citation and "ImageNet" in sota["xprotonet"].pretraining
+    assert set(sota) <= {r.key for r in published.PUBLISHED}
 
 
 def test_gain_over_seeds_resamples_patients_once_for_every_seed():

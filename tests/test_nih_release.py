@@ -261,8 +261,22 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
     boxed = {(r.image, r.label) for r in boxes.itertuples() if test.loc[r.image, r.label] == 1}
     assert loc["boxes"]["n_test_boxes"] == len(boxes) and sum(e["n"] for e in loc["labels"].values()) == len(boxed) > 0
     assert 'id="localisation-table"' in html and 'id="subgroup-table"' in html
+    # the statistics on the release's path: subgroup CIs by patients, the pointing game's verdicts,
+    # underdiagnosis from the label table, the official-split references without the synthetic caveat
+    for g in metrics["subgroups"]["groups"]:
+        for e in g["labels"].values():
+            if e["ci"] is not None:
+                assert min(e["n_pos_patients"], e["n_neg_patients"]) >= metrics["subgroups"]["min_count"]
+    for e in loc["labels"].values():
+        assert e["n"] == e["n_no_saliency"] + e["n_pointed"] and e["verdict_text"]
+    und = pd.read_csv(work / "results/evaluate/underdiagnosis.csv")
+    overall = metrics["underdiagnosis"]["overall"]
+    assert und.loc[0, "kind"] == "overall" and und.loc[0, "images_missed"] == overall["image"]["missed"]
+    assert {"sex", "age_band", "view"} <= set(und["attribute"])
+    assert 'id="underdiagnosis-table"' in html and "EVA-X-B (ViT-B/16)" in html
+    assert "for orientation only" not in html.split('id="published"')[1].split("</section>")[0]
     card = (work / "results/finetune/model_card.md").read_text()
-    assert "NIH ChestX-ray14" in card and "SYNTHETIC" not in card
+    assert "NIH ChestX-ray14" in card and "SYNTHETIC" not in card and "## Underdiagnosis" in card
 
 
 def test_box_list_is_optional(tmp_path):

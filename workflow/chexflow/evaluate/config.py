@@ -26,5 +26,7 @@ class EvaluateConfig:
     min_val_positives: int = setting(10, ge=1)
     # subgroup edges in years, ascending (checked by chexflow.config): <18, 18-39, ..., >=80
     age_bands: tuple[int, ...] = setting((18, 40, 60, 80), ge=1, le=120, unique=True)
-    min_subgroup_count: int = setting(5, ge=1)   # a subgroup's AUROC gets a CI from this many positives and negatives
+    # a subgroup's AUROC gets a CI from this many positive and negative patients; an underdiagnosis
+    # rate from this many patients with a finding
+    min_subgroup_count: int = setting(5, ge=1)
     saliency: SaliencyConfig = field(default_factory=SaliencyConfig)

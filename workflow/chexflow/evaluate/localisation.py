@@ -8,11 +8,16 @@ side (shards), resized to the evaluation crop (``loader.gpu_augment`` with ``tra
 step is a crop or a uniform scale of the whole image, so a box maps by one offset and one factor.
 
 Scores (Zhang et al. 2016; Wang et al. 2017, as CheXNet reports them):
-  pointing game   a hit when the heatmap's maximum lies in a box of that finding on that image;
+  pointing game   a hit when the heatmap's maximum lies in a box of that finding on that image. Ties
+                  are common (a map upsampled from 8 x 8 repeats its border values exactly): the point
+                  is the centroid of every pixel within TIE_RTOL of the maximum, whatever the scan order.
+                  A flat map (constant, e.g. all zero: nothing speaks for the output) points nowhere:
+                  "no saliency", neither a hit nor a miss, counted apart;
   IoBB            area(reference box & detected box) / area(detected box), the detected box bounding
                   the largest connected region of the heatmap at or above HEATMAP_LEVEL x its maximum.
 Chance baselines: a random point (hit rate = the share of the image the boxes cover) and the image
-centre. numpy and scipy only, no torch.
+centre. The verdict per finding is a one-sided exact binomial test (scipy's ``binomtest``) of the hits
+among the maps with saliency against the stronger of the two baselines. numpy and scipy only, no torch.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from chexflow.evaluate.metrics import proportion_ci
 
 # the detected box: the heatmap at or above half its maximum (Wang et al. tried 60/255 to 180/255)
 HEATMAP_LEVEL = 0.5
+# pixels this close to the maximum (relative) tie with it: float32 resolves about 7 digits
+TIE_RTOL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -92,34 +99,80 @@ def iobb(reference: tuple[float, float, float, float], detected: tuple[float, fl
     return ix * iy / area if area > 0 else 0.0
 
 
+def pointing(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, float]]) -> dict:
+    """Where a non-flat ``heatmap`` points: the centroid ``(x, y)`` of its tied maxima (pixel i spans
+    [i, i + 1)), how many pixels tie, how many of them lie in ``boxes`` (by their centres), and the hit."""
+    top = float(heatmap.max())
+    rows, cols = np.nonzero(heatmap >= top - TIE_RTOL * abs(top))
+    x, y = float(cols.mean()) + 0.5, float(rows.mean()) + 0.5
+    inside = int(box_mask(boxes, heatmap.shape[0])[rows, cols].sum())
+    return {"point": [x, y], "n_tied": int(rows.size), "n_tied_inside": inside, "hit": _inside(x, y, boxes)}
+
+
 def score(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, float]]) -> dict:
     """Pointing game, IoBB and the chance baselines of one heatmap against one finding's boxes on one
-    image (boxes in the heatmap's pixels). A flat heatmap points nowhere: a miss, ``flat`` True."""
+    image (boxes in the heatmap's pixels). A flat heatmap points nowhere: ``no_saliency`` True, ``hit``
+    None (neither hit nor miss), IoBB 0."""
     side = heatmap.shape[0]
     if heatmap.shape != (side, side) or not boxes:
         raise ValueError(f"score needs a square heatmap and at least one box, got {heatmap.shape}, {len(boxes)} boxes")
     flat = not np.isfinite(heatmap).all() or float(heatmap.max()) <= float(heatmap.min())
-    row, col = np.unravel_index(int(np.argmax(heatmap)), heatmap.shape)
-    hit = (not flat) and _inside(col + 0.5, row + 0.5, boxes)
+    where = {"point": [None, None], "n_tied": 0, "n_tied_inside": 0, "hit": None} if flat else pointing(heatmap, boxes)
     det = None if flat else detected_box(heatmap)
-    return {"hit": bool(hit), "flat": bool(flat), "point": [int(col), int(row)],
+    return {**where, "no_saliency": bool(flat),
             "iobb": 0.0 if det is None else max(iobb(b, det) for b in boxes),
             "random_point": float(box_mask(boxes, side).mean()),
             "centre_hit": bool(_inside(side / 2.0, side / 2.0, boxes))}
 
 
-def summarise(rows: Sequence[dict], *, alpha: float = 0.05) -> dict:
-    """One finding's scores: hit rate with its Wilson CI, the chance baselines, mean IoBB, and whether
-    the hit rate is above chance (its CI's low end above the better of a random point and the centre)."""
-    n = len(rows)
+def summarise(rows: Sequence[dict], *, alpha: float = 0.05, auroc_ci: Sequence[float] | None = None) -> dict:
+    """One finding's scores. Maps without saliency are counted apart (``n_no_saliency``); over the
+    others (``n_pointed``): hits, the hit rate with its Wilson CI, the chance baselines, the range of
+    hits any tie-breaking could give, mean IoBB, and the verdict (``binomial_verdict``). ``elsewhere``:
+    the test AUROC's CI (``auroc_ci``) lies above 0.5 while the maps point at the finding significantly
+    less often than chance: the AUROC rests on other cues."""
+    pointed = [r for r in rows if not r["no_saliency"]]
+    k = len(pointed)
+    hits = int(sum(bool(r["hit"]) for r in pointed))
+    random_point = float(np.mean([r["random_point"] for r in pointed])) if k else None
+    centre = float(np.mean([r["centre_hit"] for r in pointed])) if k else None
+    out = {"n": len(rows), "n_no_saliency": len(rows) - k, "n_pointed": k, "hits": hits,
+           "hit_rate": hits / k if k else None, "ci": proportion_ci(hits, k, alpha=alpha),
+           "random_point": random_point, "centre_point": centre,
+           "n_tied": sum(r["n_tied"] > 1 for r in pointed),
+           "hits_range": [sum(r["n_tied_inside"] == r["n_tied"] for r in pointed),
+                          sum(r["n_tied_inside"] > 0 for r in pointed)],
+           "mean_iobb": float(np.mean([r["iobb"] for r in pointed])) if k else None,
+           **binomial_verdict(hits, k, random_point, centre, alpha=alpha)}
+    out["elsewhere"] = bool(out["verdict"] == "below chance" and auroc_ci is not None and auroc_ci[0] > 0.5)
+    return out
+
+
+def binomial_verdict(hits: int, n: int, random_point: float | None, centre: float | None, *,
+                     alpha: float = 0.05) -> dict:
+    """The verdict on ``hits`` of ``n`` pointed maps: one-sided exact binomial tests (scipy) against the
+    stronger baseline ``chance`` = max(random point, centre point), taken as a fixed probability. "above
+    chance" when P(X >= hits) < alpha, "below chance" when P(X <= hits) < alpha; else "too few to tell"
+    when even n of n hits could not reach alpha (chance ** n >= alpha), else "not distinguishable from
+    chance". ``verdict_text`` says it with the numbers."""
+    from scipy.stats import binomtest
     if n == 0:
-        return {"n": 0, "hits": 0, "hit_rate": None, "ci": None, "random_point": None, "centre_point": None,
-                "chance": None, "mean_iobb": None, "n_flat": 0, "above_chance": None}
-    hits = sum(r["hit"] for r in rows)
-    ci = proportion_ci(hits, n, alpha=alpha)
-    random_point = float(np.mean([r["random_point"] for r in rows]))
-    centre = float(np.mean([r["centre_hit"] for r in rows]))
+        return {"chance": None, "baseline": None, "p_above": None, "p_below": None, "verdict": "no saliency",
+                "verdict_text": "no map with saliency: nothing to test"}
+    baseline = "centre point" if centre >= random_point else "random point"
     chance = max(random_point, centre)
-    return {"n": n, "hits": int(hits), "hit_rate": hits / n, "ci": ci, "random_point": random_point,
-            "centre_point": centre, "chance": chance, "mean_iobb": float(np.mean([r["iobb"] for r in rows])),
-            "n_flat": int(sum(r["flat"] for r in rows)), "above_chance": bool(ci[0] > chance)}
+    p_above = float(binomtest(hits, n, chance, alternative="greater").pvalue)
+    p_below = float(binomtest(hits, n, chance, alternative="less").pvalue)
+    against = f"{hits}/{n} hits vs the {baseline}'s {chance:.3f}"
+    if p_above < alpha:
+        verdict, text = "above chance", f"points at the finding more often than chance ({against}, one-sided p = {p_above:.3g})"
+    elif p_below < alpha:
+        verdict, text = "below chance", f"points at the finding less often than chance ({against}, one-sided p = {p_below:.3g})"
+    elif chance ** n >= alpha:
+        verdict, text = "too few to tell", (f"too few maps to tell: even {n}/{n} hits would not beat the {baseline}'s "
+                                            f"{chance:.3f} at p < {alpha:g}")
+    else:
+        verdict, text = "not distinguishable", (f"not distinguishable from chance at n = {n} ({against}, one-sided "
+                                                f"p = {p_above:.3g})")
+    return {"chance": chance, "baseline": baseline, "p_above": p_above, "p_below": p_below, "verdict": verdict,
+            "verdict_text": text}

@@ -1,6 +1,6 @@
 """Evaluation stage: predictions of the selected model on validation and test, AUROC with CIs,
-precision-recall, calibration, operating points, AUROC by subgroup, and Grad-CAM heatmaps scored
-against the release's boxes.
+precision-recall, calibration, operating points, AUROC and underdiagnosis by subgroup, and Grad-CAM
+heatmaps scored against the release's boxes.
 
 The model arriving here was selected on validation by the fine-tuning stage; the test split is
 used once, here, and never for selection. Operating points are chosen on validation (Youden's J)
@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from chexflow.data import loader
-from chexflow.evaluate import localisation, saliency, subgroups
+from chexflow.evaluate import localisation, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, operating_point,
                                        positives, precision_recall, youden_threshold)
@@ -99,6 +99,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
         result["labels"][label] = _label_entry(cfg, label, y[:, j], s[:, j], patients, val, j, per_label[label],
                                                boot.get("labels", {}).get(label, {}).get("ci"))
 
+    fields = None
     if label_table is not None:
         fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
         result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_subgroup_count,
@@ -106,6 +107,9 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
                                    y, s, np.asarray(patients), labels, fields, age_edges=cfg.age_bands,
                                    min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples,
                                    seed=cfg.seed)}
+    result["underdiagnosis"] = underdiagnosis.audit(
+        y, s, patients, labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()}, fields,
+        age_edges=cfg.age_bands, min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     stored = int(loader.read_manifest(Path(manifest)).get("image_size") or crop)
     heat = _saliency(cfg, model, info, labels, test, result, manifest=Path(manifest), crop=crop, stored=stored,
                      boxes=boxes, box_frame=box_frame, device=device) if heatmaps else _NO_HEATMAPS
@@ -184,7 +188,7 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     name, layer, side = saliency.choose_layer(model, crop=crop, in_channels=info["in_channels"],
                                               min_side=cfg.saliency.min_side, device=device, layer=cfg.saliency.layer)
     summary: dict = {"method": "Grad-CAM (Captum LayerGradCam)", "layer": name, "layer_side": side, "crop": crop,
-                     "level": localisation.HEATMAP_LEVEL, "boxes": None, "labels": {}}
+                     "level": localisation.HEATMAP_LEVEL, "tie_rtol": localisation.TIE_RTOL, "boxes": None, "labels": {}}
     ref: dict[tuple[int, int], list] = {}
     if boxes is not None:
         frame = localisation.Frame(width=box_frame, height=box_frame, stored=stored, crop=crop)
@@ -213,12 +217,14 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     for (i, j), found in sorted(ref.items()):
         row = localisation.score(heat[(i, j)], found)
         scored.append({"image": images[i], "patient": patients[i], "label": labels[j], "score": float(s[i, j]),
-                       **{k: row[k] for k in ("hit", "flat", "iobb", "random_point", "centre_hit")},
+                       **{k: row[k] for k in ("hit", "no_saliency", "n_tied", "n_tied_inside", "iobb", "random_point",
+                                              "centre_hit")},
                        "point_x": row["point"][0], "point_y": row["point"][1], "n_boxes": len(found)})
     if boxes is not None:
         for j, label in enumerate(labels):
             if label in summary["boxes"]["findings"]:
-                summary["labels"][label] = localisation.summarise([r for r in scored if r["label"] == label])
+                summary["labels"][label] = localisation.summarise([r for r in scored if r["label"] == label],
+                                                                  auroc_ci=result["labels"][label]["ci"])
     return {"summary": summary, "scored": scored, "gallery": gallery, "heat": heat, "inputs": inputs, "ref": ref}
 
 
@@ -257,15 +263,17 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
         {"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
          "label": L, "auroc": e["auroc"], "ci_low": (e["ci"] or [None, None])[0],
          "ci_high": (e["ci"] or [None, None])[1],
-         "n_pos": e["n_pos"], "n_neg": e["n_neg"], "note": e["note"]}
+         "n_pos": e["n_pos"], "n_neg": e["n_neg"], "n_pos_patients": e["n_pos_patients"],
+         "n_neg_patients": e["n_neg_patients"], "note": e["note"]}
         for g in (result.get("subgroups") or {}).get("groups", []) for L, e in g["labels"].items()])
+    _csv(out_dir / "underdiagnosis.csv", underdiagnosis.table(result["underdiagnosis"]), underdiagnosis.COLUMNS)
     if heat["summary"] is not None:
         _csv(out_dir / "localisation.csv", heat["scored"], LOCALISATION_COLUMNS)
         _write_gallery(out_dir / "saliency.npz", heat, labels, test)
 
 
-LOCALISATION_COLUMNS = ("image", "patient", "label", "score", "hit", "flat", "iobb", "random_point", "centre_hit",
-                        "point_x", "point_y", "n_boxes")
+LOCALISATION_COLUMNS = ("image", "patient", "label", "score", "hit", "no_saliency", "point_x", "point_y", "n_tied",
+                        "n_tied_inside", "iobb", "random_point", "centre_hit", "n_boxes")
 
 
 def _csv(path: Path, rows: list[dict], columns: tuple[str, ...] | None = None) -> None:
@@ -279,7 +287,9 @@ def _write_gallery(path: Path, heat: dict, labels: list[str], test: tuple) -> No
     s, y, patients, images = test
     gallery = heat["gallery"]
     meta = [{"image": images[i], "label": labels[j], "kind": kind, "score": float(s[i, j]),
-             "boxes": [list(b) for b in heat["ref"].get((i, j), [])]} for i, j, kind in gallery]
+             "boxes": [list(b) for b in heat["ref"].get((i, j), [])],
+             "point": localisation.score(heat["heat"][(i, j)], [(0.0, 0.0, 1.0, 1.0)])["point"]}   # where it points
+            for i, j, kind in gallery]
     crop = heat["summary"]["crop"]
     arrays = {"inputs": np.asarray([heat["inputs"][images[i]][0].numpy() for i, _, _ in gallery],
                                    np.float16).reshape(-1, crop, crop),

@@ -6,8 +6,11 @@ fields reach evaluation without touching the split or the shards. Every value is
 than M/F, an age outside 0..MAX_AGE (the 2017 table had ages like 414) or a view other than PA/AP
 puts the image in no group of that attribute ("unknown", counted).
 
-A (subgroup, finding) with fewer than ``min_count`` positive or negative images gets no CI ("too few
-for a CI"); the AUROC is still shown where both classes occur.
+A (subgroup, finding) gets a CI when at least ``min_count`` patients have a positive image of the
+finding in the group and at least ``min_count`` patients a negative one: the bootstrap resamples
+patients, so a cell of 7 positive images of one patient has one positive draw, not seven. A cell
+below the rule shows its AUROC without a CI and says why ("too few patients for a CI"); the AUROC is
+still shown where both classes occur. A patient with positive and negative images counts on both sides.
 """
 from __future__ import annotations
 
@@ -67,8 +70,9 @@ def read_fields(table: Path, images: Sequence[str], *, age_edges: Sequence[int])
 def subgroup_aurocs(y: np.ndarray, s: np.ndarray, patients: np.ndarray, labels: Sequence[str], fields: pd.DataFrame,
                     *, age_edges: Sequence[int], min_count: int, n_resamples: int, seed: int) -> list[dict]:
     """One entry per (attribute, group): images, patients, the mean AUROC over the findings with at
-    least ``min_count`` positives and negatives in the group (CI by patient bootstrap, the resamples
-    where every one of them is defined), and per finding the AUROC with its CI or why there is none."""
+    least ``min_count`` positive and negative patients in the group (CI by patient bootstrap, the
+    resamples where every one of them is defined), and per finding the AUROC with its CI or why there
+    is none, with the positive and negative images and patients it rests on."""
     order = {"sex": list(SEXES.values()), "age_band": age_band_names(age_edges), "view": list(VIEWS)}
     out = []
     for attr, groups in order.items():
@@ -92,7 +96,9 @@ def _group(attr: str, group: str, y: np.ndarray, s: np.ndarray, patients: np.nda
         return entry
     pos = np.sum(y == 1, axis=0)
     neg = np.sum(y == 0, axis=0)
-    enough = [j for j in range(len(labels)) if pos[j] >= min_count and neg[j] >= min_count]
+    pos_pat = [np.unique(patients[y[:, j] == 1]).size for j in range(len(labels))]
+    neg_pat = [np.unique(patients[y[:, j] == 0]).size for j in range(len(labels))]
+    enough = [j for j in range(len(labels)) if pos_pat[j] >= min_count and neg_pat[j] >= min_count]
     point = auroc_per_label(y, s, list(labels))
     sub = [labels[j] for j in enough]
     boot = bootstrap_auroc(y[:, enough], s[:, enough], patients, sub, n_resamples=n_resamples,
@@ -103,12 +109,13 @@ def _group(attr: str, group: str, y: np.ndarray, s: np.ndarray, patients: np.nda
         elif point[label] is None:
             why = "one class only"
         else:
-            why = f"too few for a CI ({int(pos[j])} pos / {int(neg[j])} neg)"
+            why = (f"too few patients for a CI ({pos_pat[j]} positive / {neg_pat[j]} negative patients, "
+                   f"{min_count} of each needed)")
         ci = boot["labels"][label]["ci"] if boot and not why else None
         entry["labels"][label] = {"auroc": point[label], "ci": ci, "n_pos": int(pos[j]), "n_neg": int(neg[j]),
-                                  "note": why}
+                                  "n_pos_patients": int(pos_pat[j]), "n_neg_patients": int(neg_pat[j]), "note": why}
     if boot:
         entry.update(mean_auroc=boot["mean_auroc"]["auroc"], mean_ci=boot["mean_auroc_ci"], mean_labels=sub)
     else:
-        entry["note"] = f"too few for a CI: no finding has {min_count} positive and {min_count} negative images"
+        entry["note"] = f"too few for a CI: no finding has {min_count} positive and {min_count} negative patients"
     return entry

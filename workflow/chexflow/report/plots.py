@@ -197,9 +197,9 @@ def reliability_grid(bins: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
 def saliency_row(images: Sequence[np.ndarray], heatmaps: Sequence[np.ndarray], meta: Sequence[Mapping[str, Any]],
                  *, tile: int = 160) -> str:
     """One finding's gallery: each input (grey, as the model saw it, min-max scaled) with its Grad-CAM
-    overlaid (jet, 40%), the reference boxes (green) and the heatmap's maximum (the pointing game's
-    point, a white cross), captioned with TP/FP and the score. Drawn with PIL (a matplotlib figure
-    per finding cost 0.35 s each)."""
+    overlaid (jet, 40%), the reference boxes (green) and where the map points (the pointing game's
+    point: the centroid of its tied maxima, a white cross), captioned with TP/FP and the score. Drawn
+    with PIL (a matplotlib figure per finding cost 0.35 s each)."""
     from matplotlib import colormaps
     from PIL import Image, ImageDraw
     jet, caption = colormaps["jet"], 14
@@ -215,9 +215,9 @@ def saliency_row(images: Sequence[np.ndarray], heatmaps: Sequence[np.ndarray], m
         draw, f = ImageDraw.Draw(pic), tile / side
         for x0, y0, x1, y1 in m.get("boxes", []):
             draw.rectangle([x0 * f, y0 * f, x1 * f - 1, y1 * f - 1], outline=(0, 224, 0), width=2)
-        if top > 0:
-            row, col = np.unravel_index(int(np.argmax(heat)), heat.shape)
-            cx, cy, r = (col + 0.5) * f, (row + 0.5) * f, 5
+        px, py = m.get("point") or (None, None)      # the evaluation's point (None: no saliency)
+        if px is not None:
+            cx, cy, r = px * f, py * f, 5
             draw.line([cx - r, cy - r, cx + r, cy + r], fill="white", width=2)
             draw.line([cx - r, cy + r, cx + r, cy - r], fill="white", width=2)
         x = k * (tile + 4)

@@ -30,7 +30,8 @@ from chexflow.evaluate import published
 from chexflow.evaluate.metrics import (operating_point, paired_bootstrap_auroc_diff, paired_bootstrap_over_seeds,
                                        precision_recall, youden_threshold)
 from chexflow.fsutil import write_text_atomic
-from chexflow.report import plots
+from chexflow.report import analyses, plots
+from chexflow.report.errors import ReportInputError
 
 __all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions", "INPUTS"]
 
@@ -60,10 +61,6 @@ INPUTS: dict[str, tuple[str, ...] | None] = {
 }
 REQUIRED_INPUTS = (("evaluation", "metrics"), ("training", "pretrain"), ("training", "finetune"))
 ABLATION_RUN_FILES = ("metrics", "predictions", "training")
-
-
-class ReportInputError(ValueError):
-    """An input of the report is missing or malformed; the message names the file."""
 
 
 # --------------------------------------------------------------------------- provenance
@@ -171,7 +168,7 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
         }
     boot = data.get("bootstrap") if isinstance(data.get("bootstrap"), dict) else {}
     mean_ci = _ci_pair(data.get("mean_auroc_ci", boot.get("mean_auroc_ci")), path, "mean_auroc_ci")
-    for key in ("subgroups", "localisation"):
+    for key in ("subgroups", "localisation", "underdiagnosis"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise ReportInputError(f"{path}: {key} must be an object")
     epoch = data.get("model_epoch")
@@ -197,6 +194,7 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
         "calibration_bins": data.get("calibration_bins"),
         "subgroups": data.get("subgroups"),
         "localisation": data.get("localisation"),
+        "underdiagnosis": data.get("underdiagnosis"),
     }
 
 
@@ -493,7 +491,7 @@ def _signed(value: Any, digits: int = 4) -> str:
 
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
-                             lstrip_blocks=True)
+                             lstrip_blocks=True, loader=jinja2.PackageLoader("chexflow.report", "templates"))
     env.filters["fmt"] = _fmt
     env.filters["signed"] = _signed
     return env
@@ -525,16 +523,7 @@ def _limitations(ctx: dict[str, Any]) -> list[str]:
         few = [o["display"] for o in roc["operating_points"] if o["few"]]
         out.append(f"Operating points of {', '.join(few)} rest on fewer than {roc['min_val_positives']} validation "
                    "positives (images or patients): their thresholds are unstable.")
-    loc = ctx["localisation"]
-    if loc and loc["elsewhere"]:
-        out.append(f"{', '.join(loc['elsewhere'])}: the AUROC is above chance, but the heatmaps do not point at the "
-                   "finding more often than chance: the model may rest on other cues.")
-    sub = ctx["subgroups"]
-    if sub:
-        small = [f"{g['attribute_name'].lower()} {g['group']}" for g in sub["groups"]
-                 if g["group"] != "unknown" and g["mean_ci"] is None]
-        if small:
-            out.append(f"Subgroups too small for a CI: {', '.join(small)}.")
+    out += analyses.limitations(ctx)
     abl = ctx["ablation"]
     if abl and len(abl["seeds"]) == 1:
         out.append("The ablation rests on one training seed per arm: its CI covers the test patients, not training "
@@ -717,7 +706,7 @@ def _verdict(ci: list | None, t_ci: list | None = None) -> dict[str, Any]:
     return {"ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None, "verdict": verdict}
 
 
-# --------------------------------------------------------------------------- calibration, subgroups, localisation
+# --------------------------------------------------------------------------- calibration
 def _calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: list[str]) -> dict[str, Any] | None:
     raw = metrics["raw_labels"]
     rows = [{"display": plots.display_name(lab), "auprc": raw[lab].get("auprc"), "prevalence": raw[lab].get("prevalence"),
@@ -736,55 +725,6 @@ def _calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: 
     return {"rows": rows, "pr_plot": plots.pr_grid(curves) if curves else None,
             "reliability_plot": plots.reliability_grid(bins) if bins else None,
             "n_bins": metrics.get("calibration_bins")}
-
-
-def _subgroup_view(metrics: dict[str, Any]) -> dict[str, Any] | None:
-    sub = metrics.get("subgroups")
-    if not sub:
-        return None
-    names = {"sex": "Sex", "age_band": "Age (years)", "view": "View position"}
-    groups = [{**g, "attribute_name": names.get(g["attribute"], g["attribute"]),
-               "details": [{"display": plots.display_name(lab), **e} for lab, e in g["labels"].items()]}
-              for g in sub["groups"] if g["group"] != "unknown" or g["n_images"]]
-    return {"groups": groups, "min_count": sub.get("min_count"), "age_bands": sub.get("age_bands")}
-
-
-def _localisation_view(metrics: dict[str, Any], saliency: Path | None, labels: list[str]) -> dict[str, Any] | None:
-    loc = metrics.get("localisation")
-    if not loc and saliency is None:
-        return None
-    loc = loc or {}
-    rows = []
-    for lab, e in (loc.get("labels") or {}).items():
-        ours = metrics["labels"].get(lab, {})
-        auroc_above = ours.get("ci_low") is not None and ours["ci_low"] > 0.5
-        rows.append({"display": plots.display_name(lab), **e, "auroc": ours.get("auroc"),
-                     "elsewhere": bool(auroc_above and e.get("n") and not e.get("above_chance"))})
-    gallery = _gallery(saliency, labels) if saliency is not None else None
-    return {**{k: loc.get(k) for k in ("method", "layer", "layer_side", "crop", "level")}, "boxes": loc.get("boxes"),
-            "rows": rows, "gallery": gallery, "elsewhere": [r["display"] for r in rows if r["elsewhere"]]}
-
-
-def _gallery(path: Path, labels: list[str]) -> list[dict[str, Any]]:
-    """The saliency gallery (saliency.npz of the evaluation): one overlay figure per finding."""
-    if not path.is_file():
-        raise ReportInputError(f"saliency gallery not found: {path}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            inputs, heat = z["inputs"].astype(np.float32), z["heatmaps"].astype(np.float32)
-            meta = json.loads(str(z["meta"]))
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise ReportInputError(f"{path}: not a saliency gallery of chexflow evaluate ({exc})") from exc
-    if not (len(meta) == len(inputs) == len(heat)):
-        raise ReportInputError(f"{path}: {len(meta)} entries but {len(inputs)} inputs and {len(heat)} heatmaps")
-    out = []
-    for lab in labels:
-        idx = [k for k, m in enumerate(meta) if m.get("label") == lab]
-        if idx:
-            out.append({"display": plots.display_name(lab), "n": len(idx),
-                        "plot": plots.saliency_row([inputs[k] for k in idx], [heat[k] for k in idx],
-                                                   [meta[k] for k in idx])})
-    return out
 
 
 # --------------------------------------------------------------------------- entry point
@@ -845,14 +785,15 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
         "has_ci": any(r.ci_low is not None for r in rows),
         "roc": roc,
         "calibration": _calibration_view(metrics, predictions, labels),
-        "subgroups": _subgroup_view(metrics),
-        "localisation": _localisation_view(metrics, ev.get("saliency"), labels),
+        "subgroups": analyses.subgroup_view(metrics),
+        "localisation": analyses.localisation_view(metrics, ev.get("saliency"), labels),
+        "underdiagnosis": analyses.underdiagnosis_view(metrics),
         "training": training,
         "tested": {"epoch": metrics.get("model_epoch"), "val_metric": metrics.get("model_val_metric")},
         "scaling": scaling_view,
         "sweep": sweep_view,
         "ablation": ablation_view,
-        "published": list(published.PUBLISHED),
+        "published": analyses.published_view(),
         "split_caveat": published.SPLIT_CAVEAT,
         "config_yaml": _yaml(config),
         "config": config,
