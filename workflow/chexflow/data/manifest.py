@@ -68,8 +68,8 @@ def contained(root: Path, rel: object, *, where: str) -> str:
     top = os.path.realpath(root)
     real = os.path.realpath(os.path.join(top, rel))
     if os.path.commonpath([top, real]) != top or real == top:
-        raise ManifestError(f"{where}: shard path {rel!r} leads out of the manifest's folder {top} (a symbolic "
-                            f"link to {real})")
+        raise ManifestError(f"{where}: shard path {rel!r} leads out of the manifest's folder {top} (resolves "
+                            f"to {real})")
     return real
 
 
