@@ -21,7 +21,7 @@ from typing import BinaryIO, Iterator
 # The bound of a text file read whole (a JSON manifest, a label table, a list of files) where its
 # reader has no setting of its own: the largest chexflow writes or reads (ImageNet's part manifests,
 # NIH's label table) are tens of MB.
-MAX_TEXT_BYTES = 1 << 30
+MAX_READ_BYTES = 1 << 30
 
 
 def _fsync(path: Path) -> None:
@@ -160,7 +160,7 @@ def open_regular(path: Path | str, *, follow_symlinks: bool = True, max_bytes: i
         raise
 
 
-def read_regular(path: Path | str, *, max_bytes: int = MAX_TEXT_BYTES, follow_symlinks: bool = True,
+def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, follow_symlinks: bool = True,
                  what: str = "file") -> bytes:
     """The bytes of regular file ``path`` (:func:`open_regular`), at most ``max_bytes`` of them: a file
     that grows past the bound while being read is refused too."""
@@ -172,7 +172,7 @@ def read_regular(path: Path | str, *, max_bytes: int = MAX_TEXT_BYTES, follow_sy
     return data
 
 
-def read_text_regular(path: Path | str, *, max_bytes: int = MAX_TEXT_BYTES, follow_symlinks: bool = True,
+def read_text_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, follow_symlinks: bool = True,
                       what: str = "file") -> str:
     """:func:`read_regular` decoded as UTF-8 (``UnicodeDecodeError`` for a file that is not)."""
     return read_regular(path, max_bytes=max_bytes, follow_symlinks=follow_symlinks, what=what).decode("utf-8")

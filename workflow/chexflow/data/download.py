@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from chexflow.data.fashion_mnist import FASHION_MNIST_GZIP_MTIME
 from chexflow.data.sources import Source, join_base, resolve_url
-from chexflow.fsutil import write_text_atomic
+from chexflow.fsutil import open_regular, read_text_regular, write_text_atomic
 
 __all__ = ["DownloadError", "NotFoundError", "ChecksumMismatch", "TruncatedDownload", "InsufficientSpace",
            "FetchResult", "fetch", "load_checksums", "parse_checksums", "fetch_source_file",
@@ -140,7 +140,7 @@ class _Hashes:
         self.n += len(block)
 
     def update_from_file(self, path: Path, chunk: int) -> None:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             while block := fh.read(chunk):
                 self.update(block)
 
@@ -155,7 +155,7 @@ def _read_sidecar(path: Path) -> str | None:
     side = checksum_sidecar(path)
     if not side.exists():
         return None
-    m = _SHA256_LINE.match(side.read_text().strip())
+    m = _SHA256_LINE.match(read_text_regular(side, max_bytes=1 << 16).strip())
     return m.group(1).lower() if m else None
 
 
@@ -224,7 +224,7 @@ def _copy_local(src: Path, part: Path, h: _Hashes, size: int | None, progress: b
     if size is None:  # a pinned size was checked before
         _check_space(part.parent, total, f"{part.name[:-5]} ({src})")
     h.reset()
-    with open(src, "rb") as fin, open(part, "wb") as fout, _bar(total, 0, part.name[:-5], progress) as bar:
+    with open_regular(src) as fin, open(part, "wb") as fout, _bar(total, 0, part.name[:-5], progress) as bar:
         while block := fin.read(chunk):
             _write(fout, block, part)
             h.update(block)
@@ -433,7 +433,7 @@ def _read_text(path_or_url: str, *, retries: int = 3, backoff: float = 0.5, time
         p = _local_path(path_or_url)
         if not p.is_file():
             raise NotFoundError(f"{path_or_url}: no such file")
-        return p.read_text()
+        return read_text_regular(p)
     last = ""
     for attempt in range(retries + 1):
         try:
