@@ -180,7 +180,7 @@ def labels_from_findings(findings: pd.Series, *, source: str = "<findings>") -> 
 def read_label_table(csv_path: Path | str) -> pd.DataFrame:
     """The raw label CSV as strings (``.csv`` or ``.csv.gz``), with the required columns checked."""
     csv_path = Path(csv_path)
-    if not csv_path.is_file():
+    if not csv_path.exists():     # a FIFO or a device: refused by name when read
         raise FileNotFoundError(f"{csv_path}: NIH label file not found")
     try:
         raw = pd.read_csv(io.BytesIO(read_regular(csv_path, what="label table")), dtype=str, keep_default_na=False,
@@ -213,7 +213,7 @@ def read_labels(csv_path: Path | str) -> pd.DataFrame:
 def read_split_list(path: Path | str) -> list[str]:
     """Image names of an official split list (one per line; blank lines ignored)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():     # a FIFO or a device: refused by name when read
         raise FileNotFoundError(f"{path}: split list not found")
     names = [line.strip() for line in read_text_regular(path, what="split list").splitlines()]
     names = [n for n in names if n]
@@ -324,7 +324,7 @@ def read_box_list(path: Path | str, *, frame: int = PNG_SIDE) -> pd.DataFrame:
     in pixels of a ``frame`` x ``frame`` image. An untrusted file: a missing column, an unknown
     finding, a non-finite or non-positive size, or a box outside the frame fails naming the row."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():     # a FIFO or a device: refused by name when read
         raise FileNotFoundError(f"{path}: box list not found")
     try:
         raw = pd.read_csv(io.BytesIO(read_regular(path, what="box list")), dtype=str, keep_default_na=False, header=0)
