@@ -145,6 +145,19 @@ def test_a_model_file_that_is_a_device_or_a_fifo_is_refused(tmp_path):
         f"{tmp_path / 'best-r1.pt'}: refused: a FIFO (named pipe), not a regular file; not read"]
 
 
+def test_a_fifo_as_the_checkpoint_directorys_lease_is_taken_over_unopened(tmp_path):
+    os.mkfifo(tmp_path / "lease.json")
+    os.utime(tmp_path / "lease.json", (1, 1))          # untouched for decades: stale
+    code = ("import sys; from chexflow.train import lease\n"
+            "held = lease.acquire(sys.argv[1], wait_s=5, stale_s=60, on_lost=print)\n"
+            "print('held', held.holder.pid)\nheld.release()")
+    proc = _python(code, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert (f"taking over the lease {tmp_path / 'lease.json'} (unreadable): {tmp_path / 'lease.json'}: a FIFO (named "
+            "pipe), not a regular file; not read; not a chexflow lease; untouched for") in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("held ")
+
+
 def test_a_zip_with_compressed_entries_is_refused(tmp_path):
     import zipfile
     with zipfile.ZipFile(tmp_path / "m.pt", "w", compression=zipfile.ZIP_DEFLATED) as z:
