@@ -43,7 +43,7 @@ def list_inputs(sources: Sequence[str | Path]) -> list[Path]:
             found.update(dict.fromkeys(_scan(path)))
         elif path.suffix.lower() == ".txt" and path.is_file():
             found.update(dict.fromkeys(_listed(path)))
-        elif path.is_file() or path.is_symlink() or path.exists():   # a FIFO or a device gets its row's error
+        elif path.exists() or path.is_symlink():     # a FIFO, a device, a dangling link: its row says why
             found[path] = None
         else:
             raise NoInputsError(f"predict input {src}: no such file or folder")
