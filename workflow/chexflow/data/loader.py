@@ -423,7 +423,8 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         run = self.plan(workers)[worker]
-        verify_shards([s for s in self.shards if s.path in {p for p, _, _ in run.pieces}])
+        reads = {path for path, _, _ in run.pieces}
+        verify_shards([s for s in self.shards if s.path in reads])
         order = np.arange(run.samples)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch, self.rank, run.index])
