@@ -269,7 +269,7 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
     info = dataset_info(name, Path(raw_dir))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    splits = pd.read_csv(splits_csv, dtype=str)
+    splits = pd.read_csv(io.BytesIO(read_regular(splits_csv, what="split table")), dtype=str)
     listed = set(splits["image"])
     progress_path = out_dir / "progress.json"
     done, earlier = _resumable(out_dir, key)
@@ -362,7 +362,7 @@ def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg
     Full release (``cfg.archives`` None): more than ``max_missing_fraction`` of the listed images
     found in no archive is a ``ShardError`` naming the count and examples. A declared pilot subset
     (``cfg.archives``) expects the shortfall; it is reported (stderr and the returned record)."""
-    table = pd.read_csv(splits_csv, dtype=str)
+    table = pd.read_csv(io.BytesIO(read_regular(splits_csv, what="split table")), dtype=str)
     missing = ~table["image"].isin(found)
     n_listed, n_missing = len(table), int(missing.sum())
     examples = table.loc[missing, "image"].head(MISSING_EXAMPLES).tolist()
