@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 from chexflow.settings import from_dict  # noqa: E402
 from chexflow.train.config import TrainConfig  # noqa: E402
 from chexflow.data import loader as data  # noqa: E402
-from chexflow.fsutil import write_text_atomic  # noqa: E402
+from chexflow.fsutil import sha256_file, write_text_atomic  # noqa: E402
 from chexflow.train import models  # noqa: E402
 from chexflow.train.trainer import TrainPaths, Trainer  # noqa: E402
 from chexflow.train.backends import backend_for  # noqa: E402
@@ -63,7 +63,7 @@ def write_shards(root: Path, *, n_train: int, n_val: int, size: int, per_shard: 
                     sink.write({"__key__": f"{split}{i:08d}", "img.npy": img.getvalue(),
                                 "target.npy": tgt.getvalue(),
                                 "meta.json": json.dumps({"image": f"{split}{i}.png", "patient": str(i)}).encode()})
-            shards.append({"path": path.name, "count": count})
+            shards.append({"path": path.name, "count": count, "sha256": sha256_file(path)})
         splits[split] = {"n_images": n, "shards": shards}
     manifest = {"dataset": "bench", "title": "random bench images", "synthetic": True, "task": "multilabel",
                 "labels": [f"label{i}" for i in range(N_LABELS)], "image_size": size, "encoding": "raw",

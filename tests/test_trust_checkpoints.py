@@ -288,9 +288,10 @@ def _one_image_val_manifest(manifest: Path, root: Path) -> Path:
         for member in members:
             if member.name.split(".", 1)[0] == key:
                 tout.addfile(member, tin.extractfile(member))
-    for split in m["splits"].values():
+    for split in m["splits"].values():     # shards stay inside their manifest's folder: copies
         for s in split["shards"]:
-            s["path"] = str(manifest.parent / s["path"])
+            (root / s["path"]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(manifest.parent / s["path"], root / s["path"])
     m["splits"]["val"]["shards"] = [{"path": one.name, "count": 1, "sha256": sha256_file(one)}]
     m["splits"]["val"]["n_images"] = 1
     out = root / "manifest.json"

@@ -1,16 +1,27 @@
-"""Atomic file writing (a half-written output never carries its final name) and file checksums.
+"""Atomic file writing (a half-written output never carries its final name), file checksums, and
+opening only regular files.
 
 The one place that knows how chexflow writes a file: every writer in the package goes through
 :func:`atomic_path` (or the two helpers built on it) and every file checksum through
-:func:`sha256_file`.
+:func:`sha256_file`. Every file chexflow reads goes through :func:`open_regular` (or
+:func:`read_regular`): a FIFO, a device, a socket or a directory under a file's name is refused
+before a byte is read (never blocking), a symbolic link is followed only where the caller says the
+user named the path, and a file larger than the reader's bound is refused unread.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import stat
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
+
+# The bound of a text file read whole (a JSON manifest, a label table, a list of files) where its
+# reader has no setting of its own: the largest chexflow writes or reads (ImageNet's part manifests,
+# NIH's label table) are tens of MB.
+MAX_READ_BYTES = 1 << 30
 
 
 def _fsync(path: Path) -> None:
@@ -56,7 +67,7 @@ def write_bytes_atomic(path: Path | str, data: bytes) -> None:
 
 def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -80,3 +91,88 @@ def link_numbered(path: Path | str) -> Path:
             return numbered
         except FileExistsError:
             n += 1
+
+
+class NotRegularFile(OSError):
+    """A path chexflow refuses to read: not a regular file, a symbolic link where none is followed, or
+    larger than its reader's bound. ``str()`` is ``<path>: <reason>``; ``strerror`` the reason alone.
+    Never carries any of the file's content."""
+
+    def __init__(self, path: Path | str, reason: str, code: int = errno.EINVAL) -> None:
+        super().__init__(code, reason, str(path))
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words ("a regular file", "a FIFO (named pipe)", ...)."""
+    return next((what for test, what in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
+                "not a regular file")
+
+
+def check_regular(path: Path | str, *, follow_symlinks: bool = True) -> os.stat_result:
+    """``stat`` (``lstat`` unless ``follow_symlinks``) of ``path`` if it is a regular file, else
+    :class:`NotRegularFile` naming what it is. Opens nothing."""
+    st = os.stat(path, follow_symlinks=follow_symlinks)
+    if not stat.S_ISREG(st.st_mode):
+        what = file_kind(st.st_mode)
+        hint = " (links are not followed here)" if stat.S_ISLNK(st.st_mode) else ""
+        raise NotRegularFile(path, f"{what}, not a regular file{hint}; not read")
+    return st
+
+
+def open_regular(path: Path | str, *, follow_symlinks: bool = True, max_bytes: int | None = None,
+                 what: str = "file") -> BinaryIO:
+    """``path`` opened for reading in binary mode, only if it is a regular file of at most ``max_bytes``.
+
+    ``follow_symlinks``: a symbolic link is followed (the user named the path) or refused (a file
+    found by scanning a folder or by its name in one). The file is checked before it is opened
+    (``stat``) and again on the open descriptor (``fstat``, the same file): it is opened with
+    ``O_NONBLOCK``, so a FIFO or a device swapped in meanwhile never blocks the open, and is then
+    refused. :class:`NotRegularFile` (an ``OSError``) names the file and the reason; a missing file
+    raises ``FileNotFoundError``. ``what``: the file's role in the size message ("archive", ...).
+    """
+    before = check_regular(path, follow_symlinks=follow_symlinks)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise NotRegularFile(path, "a symbolic link, not a regular file (links are not followed here); "
+                                       "not read") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise NotRegularFile(path, f"{file_kind(st.st_mode)} (replaced while being opened); not read")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise NotRegularFile(path, f"{what} of {st.st_size:,} bytes, more than the {max_bytes:,} allowed; "
+                                       "not read", errno.EFBIG)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, follow_symlinks: bool = True,
+                 what: str = "file") -> bytes:
+    """The bytes of regular file ``path`` (:func:`open_regular`), at most ``max_bytes`` of them: a file
+    that grows past the bound while being read is refused too."""
+    with open_regular(path, follow_symlinks=follow_symlinks, max_bytes=max_bytes, what=what) as fh:
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise NotRegularFile(path, f"{what} grew past the {max_bytes:,} bytes allowed while being read; not read",
+                             errno.EFBIG)
+    return data
+
+
+def read_text_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, follow_symlinks: bool = True,
+                      what: str = "file") -> str:
+    """:func:`read_regular` decoded as UTF-8 (``UnicodeDecodeError`` for a file that is not)."""
+    return read_regular(path, max_bytes=max_bytes, follow_symlinks=follow_symlinks, what=what).decode("utf-8")

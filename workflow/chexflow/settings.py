@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from chexflow.fsutil import write_text_atomic
+from chexflow.fsutil import read_text_regular, write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -215,7 +215,7 @@ def load_stage_config(cls: type[T], *, path: Path | None = None, text: str | Non
         raise ConfigError("give exactly one of a config file or a config string")
     if path is not None:
         try:
-            text = Path(path).read_text()
+            text = read_text_regular(path, what="config file")
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from exc
     try:

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 import tarfile
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+from chexflow.fsutil import open_regular
 
 _FILTER_ROOT = os.path.join(os.sep, "nonexistent-chexflow-extract-root")
 
@@ -46,3 +49,12 @@ def safe_members(tar: tarfile.TarFile, report: Callable[[str, str], None], *,
 
 def posix_basename(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1]
+
+
+def open_archive(path: Path | str, what: str) -> BinaryIO:
+    """An archive opened for reading, only if it is a regular file (a FIFO would block the open, a link to
+    ``/dev/zero`` never end): ``fsutil.NotRegularFile`` otherwise, ``FileNotFoundError`` naming ``what``."""
+    try:
+        return open_regular(path, what=what)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: {what} not found") from None

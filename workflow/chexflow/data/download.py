@@ -24,7 +24,7 @@ from chexflow.data.http_transfer import RETRY_STATUS, fetch_http, read_text, ret
 from chexflow.data.sources import Source, join_base, resolve_url
 from chexflow.data.transfer import (ChecksumMismatch, DownloadError, Hashes, InsufficientSpace, NotFoundError,
                                     TruncatedDownload, check_space, progress_bar, write_block)
-from chexflow.fsutil import write_text_atomic
+from chexflow.fsutil import open_regular, read_text_regular, write_text_atomic
 
 __all__ = ["DownloadError", "NotFoundError", "ChecksumMismatch", "TruncatedDownload", "InsufficientSpace",
            "FetchResult", "fetch", "load_checksums", "parse_checksums", "fetch_source_file",
@@ -82,7 +82,7 @@ def _read_sidecar(path: Path) -> str | None:
     side = checksum_sidecar(path)
     if not side.exists():
         return None
-    m = _SHA256_LINE.match(side.read_text().strip())
+    m = _SHA256_LINE.match(read_text_regular(side, max_bytes=1 << 16).strip())
     return m.group(1).lower() if m else None
 
 
@@ -142,7 +142,7 @@ def _copy_local(src: Path, part: Path, h: Hashes, size: int | None, progress: bo
     if size is None:  # a pinned size was checked before
         check_space(part.parent, total, f"{part.name[:-5]} ({src})")
     h.reset()
-    with open(src, "rb") as fin, open(part, "wb") as fout, progress_bar(total, 0, part.name[:-5], progress) as bar:
+    with open_regular(src) as fin, open(part, "wb") as fout, progress_bar(total, 0, part.name[:-5], progress) as bar:
         fin.seek(skip)
         block = head or fin.read(chunk)
         while block:
@@ -204,7 +204,7 @@ def _read_text(path_or_url: str, *, retries: int = 3, backoff: float = 0.5, time
     p = _local_path(path_or_url)
     if not p.is_file():
         raise NotFoundError(f"{path_or_url}: no such file")
-    return p.read_text()
+    return read_text_regular(p)
 
 
 def parse_checksums(text: str, where: str = "<checksums>") -> dict[str, str]:

@@ -14,6 +14,7 @@ from chexflow.data.config import ShardConfig
 from chexflow.data import images
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source
+from chexflow.fsutil import MAX_READ_BYTES, open_regular
 
 CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
            "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
@@ -81,17 +82,18 @@ class IdxError(ValueError):
 def read_idx(path: Path) -> np.ndarray:
     """Read a (gzipped) IDX file into a uint8 array of the shape its header declares."""
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as fh:
-            data = fh.read()
+    try:     # a regular file only (a FIFO would block, a link to /dev/zero never end), read to a bound
+        with open_regular(path) as raw, (gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw) as fh:
+            data = fh.read(MAX_READ_BYTES + 1)
     except (OSError, EOFError) as exc:
         raise IdxError(f"{path}: cannot read IDX file ({exc})") from exc
+    if len(data) > MAX_READ_BYTES:
+        raise IdxError(f"{path}: more than {MAX_READ_BYTES:,} bytes (uncompressed); not an IDX file of Fashion-MNIST")
     if len(data) < 4:
         raise IdxError(f"{path}: too short for an IDX header ({len(data)} bytes)")
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype_code != 0x08:
-        raise IdxError(f"{path}: not an unsigned-byte IDX file (magic {data[:4].hex()})")
+        raise IdxError(f"{path}: not an unsigned-byte IDX file (its first 4 bytes are not 0, 0, 0x08, ndim)")
     dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
     expected = int(np.prod(dims))
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)

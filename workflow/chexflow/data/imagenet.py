@@ -166,12 +166,11 @@ def parse_ground_truth(text: str, idx_to_wnid: dict[int, str], *, where: str) ->
 def read_devkit(path: Path | str) -> Devkit:
     """Read meta.mat and the val ground truth from the devkit ``.tar.gz`` in memory."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: ImageNet devkit not found")
+    fh = archives.open_archive(path, "ImageNet devkit")
     wanted = {META_MAT: None, VAL_GROUND_TRUTH: None}
     unsafe: list[str] = []
     try:
-        with tarfile.open(path, mode="r:gz") as tar:
+        with fh, tarfile.open(fileobj=fh, mode="r:gz") as tar:
             for member in archives.safe_members(tar, lambda name, why: unsafe.append(f"{name}: {why}"),
                                                 max_bytes=_DEVKIT_MEMBER_BYTES):
                 name = member.name[2:] if member.name.startswith("./") else member.name
@@ -241,10 +240,9 @@ def iter_train_part(path: Path | str, classes: tuple[str, ...], *, seed: int,
     than ``max_member_bytes`` (skipped unread), go to ``on_skip``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: ImageNet train archive not found")
+    fh = archives.open_archive(path, "ImageNet train archive")
     try:
-        with tarfile.open(path, mode="r:") as outer:   # random access: headers only, data seeked over
+        with fh, tarfile.open(fileobj=fh, mode="r:") as outer:   # random access: headers only, data seeked over
             members: dict[str, tarfile.TarInfo] = {}
             for m in archives.safe_members(outer, on_skip):
                 base = archives.posix_basename(m.name)
@@ -273,10 +271,9 @@ def iter_val(path: Path | str, *, on_skip: Callable[[str, str], None],
     """(image name, bytes, member path) of the val archive, streamed in archive order (images of more
     than ``max_member_bytes`` are skipped unread and go to ``on_skip``)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: ImageNet val archive not found")
+    fh = archives.open_archive(path, "ImageNet val archive")
     try:
-        with tarfile.open(path, mode="r|") as tar:
+        with fh, tarfile.open(fileobj=fh, mode="r|") as tar:
             for m in archives.safe_members(tar, on_skip, max_bytes=max_member_bytes):
                 if _is_image(m.name):
                     yield archives.posix_basename(m.name), _read_member(tar, m), m.name

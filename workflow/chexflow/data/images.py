@@ -78,7 +78,7 @@ def decode_grey(data: bytes, *, name: str, draft: int | None = None, size: int |
         arr = _decode_jpeg(data, name, draft, max_pixels)
         return resize_square(arr, size) if size is not None else arr
     if head != PNG_SIGNATURE:
-        raise DecodeError(name, f"not a PNG or JPEG file (starts with {head!r})")
+        raise DecodeError(name, "not a PNG or JPEG file (its first bytes are neither signature)")
     return _decode_png(data, name, size, max_pixels)
 
 

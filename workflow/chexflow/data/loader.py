@@ -17,7 +17,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Iterator, NamedTuple
 
@@ -28,13 +28,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from chexflow.data import workers as _workers
 from chexflow.data.config import AugmentConfig
-from chexflow.fsutil import atomic_path
+from chexflow.data.manifest import ManifestError, ShardRef, read_manifest, split_shards, verify_shard, verify_shards
+from chexflow.fsutil import atomic_path, open_regular
 
-
-@dataclass(frozen=True)
-class ShardRef:
-    path: str
-    count: int
+__all__ = ["ManifestError", "ShardRef", "read_manifest", "split_shards"]     # re-exported: read where shards are
 
 
 class SampleId(NamedTuple):
@@ -43,31 +40,12 @@ class SampleId(NamedTuple):
     image: str
 
 
-class ManifestError(ValueError):
-    """A dataset manifest is missing or lacks the split asked for."""
-
-
-def read_manifest(path: Path) -> dict:
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path}: cannot read dataset manifest ({exc})") from exc
-
-
-def split_shards(manifest_path: Path, split: str) -> list[ShardRef]:
-    manifest_path = Path(manifest_path)
-    m = read_manifest(manifest_path)
-    if split not in m.get("splits", {}):
-        raise ManifestError(f"{manifest_path}: no split {split!r} (has {sorted(m.get('splits', {}))})")
-    root = manifest_path.parent
-    return [ShardRef(str(root / s["path"]), int(s["count"])) for s in m["splits"][split]["shards"]]
-
-
 def stage_shards(shards: list[ShardRef], dest: Path, *, copy: bool = True) -> list[ShardRef]:
-    """Copy shards to node-local disk (the PRACE guide's advice); skip ones already there, same size.
+    """Copy shards to node-local disk (the PRACE guide's advice) and check the copies against the
+    manifest's sha256; a copy already there that checks out is kept.
 
-    ``copy=False`` only maps the paths: the other ranks of a node wait for the one that copies.
+    ``copy=False`` only maps the paths: the other ranks of a node wait for the one that copies (and
+    check the copies when they build their streams).
     """
     dest = Path(os.path.expandvars(str(dest)))
     if copy:
@@ -75,12 +53,25 @@ def stage_shards(shards: list[ShardRef], dest: Path, *, copy: bool = True) -> li
     out = []
     for s in shards:
         src = Path(s.path)
-        target = dest / f"{hashlib.sha1(str(src.parent).encode()).hexdigest()[:10]}-{src.name}"
-        if copy and not (target.exists() and target.stat().st_size == src.stat().st_size):
-            with atomic_path(target) as tmp:
-                shutil.copyfile(src, tmp)
-        out.append(ShardRef(str(target), s.count))
+        staged = replace(s, path=str(dest / f"{hashlib.sha1(str(src.parent).encode()).hexdigest()[:10]}-{src.name}"))
+        if copy and not _staged_ok(staged):
+            with atomic_path(staged.path) as tmp, open_regular(src, follow_symlinks=False) as fin:
+                with open(tmp, "wb") as fout:
+                    shutil.copyfileobj(fin, fout, 1 << 20)
+            verify_shard(replace(staged, name=f"{s.name or src.name} (copied from {src})"))
+        out.append(staged)
     return out
+
+
+def _staged_ok(staged: ShardRef) -> bool:
+    """Whether a staged copy is already there and checks out against the manifest's sha256."""
+    if staged.sha256 is None or not os.path.lexists(staged.path):
+        return False
+    try:
+        verify_shard(staged)
+    except ManifestError:
+        return False
+    return True
 
 
 def epoch_order(shards: list[ShardRef], *, epoch: int, seed: int, shuffle: bool) -> list[ShardRef]:
@@ -337,7 +328,7 @@ def iter_shard(path: str, keep: Collection[int] | None = None) -> Iterator[dict]
     kept one. Compressed shards (not written by chexflow) are read through ``webdataset``."""
     keep = None if keep is None else frozenset(keep)
     last = max(keep, default=-1) if keep is not None else None
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         magic = fh.read(6)
         fh.seek(0)
         if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
@@ -406,6 +397,8 @@ class ShardStream(IterableDataset):
     buffer seeded with ``(seed, epoch, rank, run)``; ``set_epoch(e, skip_batches=k)`` starts at the
     rank's ``k``-th batch (resume) without reading the samples of the first ``k``.
     Evaluation (``shuffle=False``): stored order, every sample of the split once across ranks.
+    Every shard is checked against its manifest's sha256 here, before the loader's workers fork, and
+    a worker checks again only a shard changed since (``chexflow.data.manifest``).
     """
 
     def __init__(self, shards: list[ShardRef], *, rank: int, world: int, seed: int, batch_size: int,
@@ -415,6 +408,7 @@ class ShardStream(IterableDataset):
         self.batch_size, self.backward_passes, self.samples_per_epoch = batch_size, backward_passes, samples_per_epoch
         self.epoch, self.skip_batches = epoch, 0
         self.shuffle, self.shuffle_buffer = shuffle, shuffle_buffer
+        verify_shards(shards)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.epoch, self.skip_batches = epoch, skip_batches
@@ -429,6 +423,8 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         run = self.plan(workers)[worker]
+        reads = {path for path, _, _ in run.pieces}
+        verify_shards([s for s in self.shards if s.path in reads])
         order = np.arange(run.samples)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch, self.rank, run.index])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import io
 import logging
 import tarfile
 import zlib
@@ -25,6 +26,7 @@ from chexflow.data import images
 from chexflow.data.archives import ArchiveError, posix_basename, safe_members
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source
+from chexflow.fsutil import open_regular, read_regular, read_text_regular
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +180,11 @@ def labels_from_findings(findings: pd.Series, *, source: str = "<findings>") -> 
 def read_label_table(csv_path: Path | str) -> pd.DataFrame:
     """The raw label CSV as strings (``.csv`` or ``.csv.gz``), with the required columns checked."""
     csv_path = Path(csv_path)
-    if not csv_path.is_file():
+    if not csv_path.exists():     # a FIFO or a device: refused by name when read
         raise FileNotFoundError(f"{csv_path}: NIH label file not found")
     try:
-        raw = pd.read_csv(csv_path, dtype=str, keep_default_na=False, na_values=[""])
+        raw = pd.read_csv(io.BytesIO(read_regular(csv_path, what="label table")), dtype=str, keep_default_na=False,
+                          na_values=[""], compression="gzip" if csv_path.suffix == ".gz" else None)
     except (OSError, EOFError, zlib.error, pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
         raise NIHError(f"{csv_path}: cannot read the label CSV ({exc})") from exc
     raw.columns = [c.strip() for c in raw.columns]
@@ -210,9 +213,9 @@ def read_labels(csv_path: Path | str) -> pd.DataFrame:
 def read_split_list(path: Path | str) -> list[str]:
     """Image names of an official split list (one per line; blank lines ignored)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():     # a FIFO or a device: refused by name when read
         raise FileNotFoundError(f"{path}: split list not found")
-    names = [line.strip() for line in path.read_text().splitlines()]
+    names = [line.strip() for line in read_text_regular(path, what="split list").splitlines()]
     names = [n for n in names if n]
     if len(set(names)) != len(names):
         dup = pd.Series(names)
@@ -321,10 +324,10 @@ def read_box_list(path: Path | str, *, frame: int = PNG_SIDE) -> pd.DataFrame:
     in pixels of a ``frame`` x ``frame`` image. An untrusted file: a missing column, an unknown
     finding, a non-finite or non-positive size, or a box outside the frame fails naming the row."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():     # a FIFO or a device: refused by name when read
         raise FileNotFoundError(f"{path}: box list not found")
     try:
-        raw = pd.read_csv(path, dtype=str, keep_default_na=False, header=0)
+        raw = pd.read_csv(io.BytesIO(read_regular(path, what="box list")), dtype=str, keep_default_na=False, header=0)
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise NIHError(f"{path}: cannot read the box list ({exc})") from exc
     cols = [c.strip() for c in raw.columns]
@@ -375,9 +378,8 @@ def iter_members(path: Path | str, *, on_skip: Callable[[str, str], None] | None
     archive is read once, sequentially. Every member first passes ``archives.safe_members``: the
     tar 'data' filter (``..``, links pointing outside, device files), absolute member names, only
     regular files (no symlinks or hard links at all), and at most ``max_member_bytes`` by its
-    header (a larger member is skipped unread).
-    Rejected members are reported through ``on_skip(member_name, reason)`` (default: a logged
-    warning) and skipped; directories and non-PNG files are skipped silently.
+    header (a larger member is skipped unread). Rejected members are reported through ``on_skip(member_name,
+    reason)`` (default: a logged warning) and skipped; directories and non-PNG files silently.
 
     A truncated or corrupt archive raises ``ArchiveError`` naming it: the gzip stream is read to
     its end, so a missing gzip trailer or a CRC mismatch is detected even when the tar part ends
@@ -385,10 +387,8 @@ def iter_members(path: Path | str, *, on_skip: Callable[[str, str], None] | None
     """
     path = Path(path)
     report = on_skip or _log_skip
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: archive not found")
-    try:
-        with gzip.open(path, "rb") as gz:
+    try:     # a regular file only: a FIFO would block, a link to /dev/zero never end
+        with open_regular(path, what="archive") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
             # 1 MiB reads instead of tarfile's 10 KiB records: far fewer gzip calls per image
             with tarfile.open(fileobj=gz, mode="r|", bufsize=_TAR_READ_BYTES) as tar:
                 for member in safe_members(tar, report, max_bytes=max_member_bytes):

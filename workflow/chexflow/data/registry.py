@@ -11,12 +11,12 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from chexflow.data import fashion_mnist, imagenet, nih, sources
 from chexflow.data.dataset import Dataset
 from chexflow.data.sources import Source, UnknownSourceError
+from chexflow.fsutil import read_regular
 
 DATASETS: dict[str, Dataset] = {a.name: a for a in (
     fashion_mnist.ADAPTER,
@@ -59,8 +59,8 @@ def load_test_registry(environ: Mapping[str, str] | None = None) -> dict[str, An
     if not path:
         return None
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(read_regular(path))
+    except (OSError, ValueError) as exc:
         raise sources.RegistryOverrideError(f"{sources.TEST_REGISTRY_ENV}={path}: cannot read the test registry "
                                             f"({exc})") from exc
     if not isinstance(data, dict):

@@ -42,7 +42,7 @@ from chexflow.data.config import ShardConfig
 from chexflow.settings import to_dict
 from chexflow.data import images, nih, registry
 from chexflow.data.dataset import DatasetInfo, ShardError
-from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
+from chexflow.fsutil import atomic_path, check_regular, read_regular, sha256_file, write_text_atomic
 
 SPLITS = ("train", "val", "test")
 # ShardConfig fields that do not change what a part's shards hold (thresholds checked afterwards,
@@ -212,8 +212,8 @@ def _resumable(out_dir: Path, key: str) -> tuple[list[dict], dict[str, dict]]:
     progress: dict = {}
     if progress_path.exists():
         try:
-            progress = json.loads(progress_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            progress = json.loads(read_regular(progress_path, follow_symlinks=False))
+        except (OSError, ValueError) as exc:
             print(f"{progress_path}: unreadable ({exc}); starting the part afresh", file=sys.stderr)
         progress = progress if isinstance(progress, dict) else {}
     records = progress.get("shards", [])
@@ -229,13 +229,24 @@ def _resumable(out_dir: Path, key: str) -> tuple[list[dict], dict[str, dict]]:
         return [], {}
     done, broken = [], set()
     for r in records:
-        path = out_dir / r["file"]
-        if r["split"] in broken or not path.exists() or sha256_file(path) != r["sha256"]:
+        path = out_dir / str(r["file"])
+        if r["split"] in broken or not _own_shard(out_dir, r["file"]) or sha256_file(path) != r["sha256"]:
             broken.add(r["split"])
             continue
         done.append(r)
     earlier = {r["image"]: r for r in progress.get("rejects", []) if r.get("stage") == "decode"}
     return done, (earlier if done else {})
+
+
+def _own_shard(part_dir: Path, fname: object) -> bool:
+    """Whether ``fname`` (from a part's own record) names a regular file directly in ``part_dir``."""
+    if not isinstance(fname, str) or fname in ("", ".", "..") or "/" in fname or os.sep in fname:
+        return False
+    try:
+        check_regular(part_dir / fname, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: Path,
@@ -258,7 +269,7 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
     info = dataset_info(name, Path(raw_dir))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    splits = pd.read_csv(splits_csv, dtype=str)
+    splits = pd.read_csv(io.BytesIO(read_regular(splits_csv, what="split table")), dtype=str)
     listed = set(splits["image"])
     progress_path = out_dir / "progress.json"
     done, earlier = _resumable(out_dir, key)
@@ -351,7 +362,7 @@ def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg
     Full release (``cfg.archives`` None): more than ``max_missing_fraction`` of the listed images
     found in no archive is a ``ShardError`` naming the count and examples. A declared pilot subset
     (``cfg.archives``) expects the shortfall; it is reported (stderr and the returned record)."""
-    table = pd.read_csv(splits_csv, dtype=str)
+    table = pd.read_csv(io.BytesIO(read_regular(splits_csv, what="split table")), dtype=str)
     missing = ~table["image"].isin(found)
     n_listed, n_missing = len(table), int(missing.sum())
     examples = table.loc[missing, "image"].head(MISSING_EXAMPLES).tolist()
@@ -402,8 +413,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
     for mpath in part_manifests:
         mpath = Path(mpath)
         try:
-            m = json.loads(mpath.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            m = json.loads(read_regular(mpath, what="part manifest"))
+        except (OSError, ValueError) as exc:
             raise ShardError(f"{mpath}: unreadable part manifest ({exc})") from exc
         members = m.get("members") if isinstance(m, dict) else None
         if not isinstance(members, dict):
@@ -422,9 +433,9 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
         found.update(m.get("listed_found", []))
         part_names.append(m.get("part", mpath.parent.name))
         for sh in m["shards"]:
+            if not _own_shard(mpath.parent, sh["file"]):
+                raise ShardError(f"{mpath}: lists shard {sh['file']!r}, which is not a regular file in its folder")
             rel = os.path.relpath(mpath.parent / sh["file"], root)
-            if not (root / rel).exists():
-                raise ShardError(f"{mpath}: lists shard {sh['file']} which does not exist")
             s = splits.setdefault(sh["split"], {"n_images": 0, "label_counts": Counter(), "shards": []})
             s["n_images"] += sh["count"]
             n_images += sh["count"]

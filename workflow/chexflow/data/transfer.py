@@ -11,6 +11,8 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
+from chexflow.fsutil import open_regular
+
 
 class DownloadError(RuntimeError):
     """A file could not be fetched; the message names the file/URL and the cause."""
@@ -66,7 +68,7 @@ class Hashes:
         self.n += len(block)
 
     def update_from_file(self, path: Path, chunk: int) -> None:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             while block := fh.read(chunk):
                 self.update(block)
 

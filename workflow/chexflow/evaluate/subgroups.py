@@ -14,6 +14,7 @@ still shown where both classes occur. A patient with positive and negative image
 """
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc
+from chexflow.fsutil import read_regular
 
 MAX_AGE = 120
 COLUMNS = {"sex": "Patient Gender", "age": "Patient Age", "view": "View Position"}
@@ -44,7 +46,8 @@ def read_fields(table: Path, images: Sequence[str], *, age_edges: Sequence[int])
     """Per image of ``images`` (in order): ``sex``, ``age_band``, ``view`` (None where unknown)."""
     table = Path(table)
     try:
-        raw = pd.read_csv(table, dtype=str, keep_default_na=False)
+        raw = pd.read_csv(io.BytesIO(read_regular(table, what="label table")), dtype=str, keep_default_na=False,
+                          compression="gzip" if table.suffix == ".gz" else None)
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, EOFError) as exc:
         raise SubgroupError(f"{table}: cannot read the label table ({exc})") from exc
     raw.columns = [c.strip() for c in raw.columns]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from chexflow.data import loader, registry
+from chexflow.fsutil import read_regular
 from chexflow.train.checkpoint import load_model
 
 
@@ -115,8 +116,8 @@ def read_thresholds(path: Path, labels: tuple[str, ...], info: dict,
     file (same labels; same run id, epoch and validation metric where both record them), and the
     Grad-CAM layer its heatmaps used (``localisation.layer``: a module of ``model``), if it recorded one."""
     try:
-        metrics = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        metrics = json.loads(read_regular(path, what="metrics file"))
+    except (OSError, ValueError) as exc:
         raise PredictInputError(f"{path}: cannot read evaluation metrics ({exc})") from exc
     per_label = metrics.get("labels") if isinstance(metrics, dict) else None
     if not isinstance(per_label, dict) or sorted(per_label) != sorted(labels):

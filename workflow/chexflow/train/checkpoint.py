@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from chexflow import __version__
-from chexflow.fsutil import atomic_path
+from chexflow.fsutil import NotRegularFile, atomic_path, check_regular, open_regular
 
 _NAME = re.compile(r"^step-(\d{9})(?:-([0-9A-Za-z]+))?\.pt$")
 
@@ -66,23 +67,46 @@ class WriteError(RuntimeError):
 def load_pt(path: Path) -> Any:
     """The content of ``path``, loaded weights-only; :class:`RefusedFile` names the file and why.
 
-    A missing or unreadable file raises the ``OSError`` (the caller says what it was looking for).
+    Only a regular file is opened (a FIFO, a device, a directory under a ``.pt`` name is refused
+    without blocking or reading); what torch reads is that open file, the zip archive's entries
+    stored uncompressed and within the file's size (as torch writes them), so nothing is read past
+    the file. A missing or unreadable file raises the ``OSError`` (the caller says what it was
+    looking for).
     """
     path = Path(path)
-    with open(path, "rb") as fh:
-        if not zipfile.is_zipfile(fh):      # a bare pickle is never handed to an unpickler
-            raise RefusedFile(f"{path}: refused: not a torch zip archive (truncated, corrupt, or a bare pickle; "
-                              "chexflow writes torch zip files only)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # torch warns about the pickle protocol before refusing
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise RefusedFile(f"{path}: refused: not a weights-only file ({_unpickling_refusal(exc)})") from exc
-    except OSError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/ValueError/... for broken archives
-        raise RefusedFile(f"{path}: refused: unreadable ({type(exc).__name__}: {_first_line(exc)})") from exc
+        fh = open_regular(path)
+    except NotRegularFile as exc:
+        raise RefusedFile(f"{path}: refused: {exc.strerror}") from None
+    with fh:
+        _check_zip(fh, path)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # torch warns about the pickle protocol before refusing
+                return torch.load(fh, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise RefusedFile(f"{path}: refused: not a weights-only file ({_unpickling_refusal(exc)})") from exc
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/ValueError/... for broken archives
+            raise RefusedFile(f"{path}: refused: unreadable ({type(exc).__name__}: {_first_line(exc)})") from exc
+
+
+def _check_zip(fh, path: Path) -> None:
+    """A torch zip archive whose entries are stored (not compressed) within the file, else :class:`RefusedFile`
+    (a bare pickle is never handed to an unpickler; a compressed entry could expand without bound)."""
+    size = os.fstat(fh.fileno()).st_size
+    try:
+        with zipfile.ZipFile(fh) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        raise RefusedFile(f"{path}: refused: not a torch zip archive (truncated, corrupt, or a bare pickle; "
+                          "chexflow writes torch zip files only)") from None
+    for e in entries:
+        if e.compress_type != zipfile.ZIP_STORED or e.file_size > size:
+            raise RefusedFile(f"{path}: refused: zip entry {e.filename!r} is compressed or larger than the file "
+                              "(torch stores its entries uncompressed)")
+    fh.seek(0)
 
 
 def _unpickling_refusal(exc: Exception) -> str:
@@ -190,16 +214,37 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict, *, keep: int) -> Pat
 
 
 def list_checkpoints(ckpt_dir: Path, *, run_id: str | None = None) -> list[Path]:
-    """Checkpoints in ``ckpt_dir``, oldest step first; with ``run_id`` only that run's."""
+    """Checkpoints in ``ckpt_dir``, oldest step first; with ``run_id`` only that run's.
+
+    Only regular files count: anything else under a checkpoint's name (a FIFO, a device, a
+    directory, a symbolic link, which is never followed out of the folder) is renamed aside to
+    ``<name>.refused`` unopened, with a message, and never resumed or pruned.
+    """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     found = []
     for p in ckpt_dir.iterdir():
         m = _NAME.match(p.name)
-        if m and (run_id is None or m.group(2) == run_id):
-            found.append((int(m.group(1)), p.name, p))
+        if not m or (run_id is not None and m.group(2) != run_id):
+            continue
+        try:
+            check_regular(p, follow_symlinks=False)
+        except NotRegularFile as exc:
+            _set_aside_unopened(p, exc.strerror)
+            continue
+        except OSError:             # gone meanwhile
+            continue
+        found.append((int(m.group(1)), p.name, p))
     return [p for _, _, p in sorted(found)]
+
+
+def _set_aside_unopened(path: Path, reason: str) -> None:
+    try:
+        set_aside(path, reason, lambda msg: print(msg, file=sys.stderr, flush=True))
+    except OSError as exc:
+        print(f"checkpoint {path} refused: {reason}; not renamed aside ({exc.strerror}); skipped",
+              file=sys.stderr, flush=True)
 
 
 def checkpoint_problem(state: Any, path: Path, run_id: str) -> str | None:

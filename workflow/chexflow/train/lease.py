@@ -20,7 +20,7 @@ The workflow asks the same question before it submits anything (:func:`live_hold
 Snakefile's ``onstart``), so a rerun names the orphaned job and what to ``scancel`` instead of
 starting a second one (the SLURM executor plugin does not know a dead controller's jobs:
 snakemake-executor-plugin-slurm#109 asks for that). Only the standard library is imported here
-(psutil if present): the Snakefile imports this module.
+(psutil if present; chexflow.fsutil, itself standard library only): the Snakefile imports this module.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from chexflow.fsutil import NotRegularFile, open_regular
 
 LEASE_NAME = "lease.json"
 EXIT_LEASE_HELD = 5   # another trainer holds the checkpoint directory (or took it over); 3, 4: trainer.py
@@ -107,7 +109,11 @@ def _pid_is(pid: int, started: float | None) -> bool:
 
 def read_holder(path: Path) -> Holder:
     """The holder named by lease file ``path``; ValueError naming the file and what is wrong."""
-    with open(path, "rb") as fh:
+    try:
+        fh = open_regular(path, follow_symlinks=False)     # a FIFO there would block a plain open
+    except NotRegularFile as exc:
+        raise ValueError(f"{exc}; not a chexflow lease") from None
+    with fh:
         raw = fh.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
         raise ValueError(f"{path}: over {MAX_BYTES} bytes, not a chexflow lease")
