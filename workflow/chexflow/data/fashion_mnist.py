@@ -52,7 +52,7 @@ def debian_gzip_header(file: RemoteFile, path: Path) -> tuple[bytes, int] | None
     mtime = FASHION_MNIST_GZIP_MTIME.get(file.name)
     if mtime is None or not Path(path).is_file():
         return None
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         head = fh.read(10)
     if len(head) < 10 or head[:4] != b"\x1f\x8b\x08\x00":      # gzip, deflate, FLG 0: normalised
         return None
