@@ -27,7 +27,8 @@ def _config(n_images: int, val_fraction: float) -> dict:
     """The smallest demo fine-tuning (random init: no pretraining job) and its evaluation."""
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg["demo_release"].update(n_images=n_images, image_size=32, images_per_archive=60)
-    cfg["shards"]["nih_demo"].update(image_size=32, samples_per_shard=40, val_fraction=val_fraction)
+    # split_seed 4: with val_fraction 0.001, the one validation patient has a single image
+    cfg["shards"]["nih_demo"].update(image_size=32, samples_per_shard=40, val_fraction=val_fraction, split_seed=4)
     cfg["training"]["backend"] = "single"
     cfg["finetune"].update(init="random", epochs=1, batch_size=8)
     cfg["finetune"]["data"]["crop"] = 32
@@ -47,25 +48,26 @@ def _shard_patients(path: Path) -> set[str]:
                 if m.name.endswith(".meta.json")}
 
 
-def _trained_patients(work: Path) -> set[str]:
+def _trained_patients(work: Path, dataset: str) -> set[str]:
     """The patients the model in results/finetune/model.pt trained on, from its record: the sha256 of
     its training shards, found among the manifest's shards by their bytes."""
     record = torch.load(work / "results/finetune/model.pt", weights_only=True)
-    root = work / "data/shards/nih_demo"
+    root = work / "data/shards" / dataset
     by_sha = {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in root.glob("parts/*/*.tar")}
     wanted = [sha for sha, _ in record["data"]["splits"]["train"]["shards"]]
     assert set(wanted) <= set(by_sha), "the model's training shards are not the current shards"
     return set().union(*(_shard_patients(by_sha[sha]) for sha in wanted))
 
 
-def _check_disjoint(work: Path) -> set[str]:
-    """The final model trained on this manifest's data, and on no test patient of the split table."""
-    manifest = work / "data/shards/nih_demo/manifest.json"
+def check_disjoint(work: Path, dataset: str = "nih_demo") -> set[str]:
+    """The final model trained on this manifest's data, and on no test patient of the split table
+    (returns the patients it trained on)."""
+    manifest = work / "data/shards" / dataset / "manifest.json"
     record = torch.load(work / "results/finetune/model.pt", weights_only=True)
     assert record["data"] == identity.data_summary(manifest)
-    splits = pd.read_csv(work / "data/shards/nih_demo/splits.csv", dtype=str)
+    splits = pd.read_csv(work / "data/shards" / dataset / "splits.csv", dtype=str)
     test = set(splits.loc[splits["split"] == "test", "patient"])
-    trained = _trained_patients(work)
+    trained = _trained_patients(work, dataset)
     assert trained and test and not trained & test
     metrics = json.loads((work / TARGET).read_text())
     assert metrics["model_run_id"] == record["run_id"] and metrics["model_run_id_checked"]
@@ -94,7 +96,7 @@ def test_changed_data_starts_afresh_through_the_workflow(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     log = _train_log(work)
     assert "data changed: val: images 1 -> " in log and "resuming from" not in log
-    first = _check_disjoint(work)
+    first = check_disjoint(work)
     first_id = torch.load(work / "results/finetune/model.pt", weights_only=True)["run_id"]
     assert all(first_id not in name for name in nan_run)
 
@@ -105,7 +107,7 @@ def test_changed_data_starts_afresh_through_the_workflow(tmp_path):
     assert "data changed: train: images " in log and "resuming from" not in log
     grown = torch.load(work / "results/finetune/model.pt", weights_only=True)
     assert grown["run_id"] != first_id
-    _check_disjoint(work)
+    check_disjoint(work)
     # what resuming would have done: some of the first model's training patients are test patients now
     splits = pd.read_csv(work / "data/shards/nih_demo/splits.csv", dtype=str)
     assert first & set(splits.loc[splits["split"] == "test", "patient"])
@@ -117,4 +119,4 @@ def test_changed_data_starts_afresh_through_the_workflow(tmp_path):
     assert "data changed: " in log and "val: images " in log and "resuming from" not in log
     assert torch.load(work / "results/finetune/model.pt", weights_only=True)["run_id"] not in (first_id,
                                                                                                grown["run_id"])
-    _check_disjoint(work)
+    check_disjoint(work)

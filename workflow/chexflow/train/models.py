@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torchvision
 
+from chexflow.train.weights import weights_problem
+
 
 class ModelError(ValueError):
     pass
@@ -61,14 +63,13 @@ def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *
                   stages: int | None = None, source: str = "the pretrained model") -> list[str]:
     """Copy backbone weights (everything but the head) from a pretrained state dict.
 
-    The file's backbone must fit this model's (``checkpoint.weights_problem``: every backbone tensor
+    The file's backbone must fit this model's (``weights.weights_problem``: every backbone tensor
     present, none the architecture does not have, the same shapes), except that the stem is adapted
     when the pretrained model saw a different number of channels; anything else is a ModelError
     naming ``source`` and the first mismatching keys. ``stages``: only the first ``stages`` backbone
     stages (:func:`backbone_stages`) are taken, the later ones keep their random init (None: the
     whole backbone). Returns the names of the tensors taken.
     """
-    from chexflow.train.checkpoint import weights_problem
     prefix = head_prefix(model)
     own = model.state_dict()
     keep = None
