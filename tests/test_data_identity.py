@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def test_changed_data_starts_afresh_through_the_workflow(tmp_path):
     proc = _run(work, _config(120, 0.15))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     log = _train_log(work)
-    assert "data changed: val: images 1 -> " in log and "resuming from" not in log
+    assert re.search(r"data changed: train: .*; val: images 1 -> \d+, patients 1 -> ", log)
+    assert not re.search(r"resuming from \S+ at step", log)
     first = check_disjoint(work)
     first_id = torch.load(work / "results/finetune/model.pt", weights_only=True)["run_id"]
     assert all(first_id not in name for name in nan_run)
@@ -104,7 +106,7 @@ def test_changed_data_starts_afresh_through_the_workflow(tmp_path):
     proc = _run(work, _config(180, 0.15))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     log = _train_log(work)
-    assert "data changed: train: images " in log and "resuming from" not in log
+    assert "data changed: train: images " in log and not re.search(r"resuming from \S+ at step", log)
     grown = torch.load(work / "results/finetune/model.pt", weights_only=True)
     assert grown["run_id"] != first_id
     check_disjoint(work)
@@ -116,7 +118,7 @@ def test_changed_data_starts_afresh_through_the_workflow(tmp_path):
     proc = _run(work, _config(180, 0.3))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     log = _train_log(work)
-    assert "data changed: " in log and "val: images " in log and "resuming from" not in log
+    assert "data changed: " in log and "val: images " in log and not re.search(r"resuming from \S+ at step", log)
     assert torch.load(work / "results/finetune/model.pt", weights_only=True)["run_id"] not in (first_id,
                                                                                                grown["run_id"])
     check_disjoint(work)

@@ -496,9 +496,10 @@ class Trainer:
         _log(self.backend, f"checkpoint {path} (step {prog.step})")
 
     def _best_model(self, prog: Progress) -> dict:
+        """best-<run id>.pt, checked (or rebuilt from the checkpoint of its epoch: checkpoint.best_model)."""
         row = next(r for r in prog.history if r["epoch"] == prog.best["epoch"])
         return ckpt.best_model(self.best_path, self.paths.ckpt_dir, run_id=self.run_id, epoch=row["epoch"],
-                               step=row["step"], expect_model=self.model.state_dict(),
+                               step=row["step"], expect_model=_weights(self.model),
                                rebuild=lambda sd: self._model_file(sd, row), log=lambda m: _log(self.backend, m))
 
     def _no_valid_epoch(self, rows: list[dict]) -> NoValidEpoch:
