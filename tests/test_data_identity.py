@@ -18,10 +18,61 @@ import pytest
 import torch
 import yaml
 
+from chexflow.data.loader import ManifestError
+from chexflow.train import checkpoint as ckpt
 from chexflow.train import identity
 from conftest import REPO, snakemake
+from test_trainer_paths import cfg_of
 
 TARGET = "results/evaluate/metrics.json"
+
+
+def test_data_identity_is_the_manifests_content_not_its_file(demo_manifest, tmp_path):
+    """The run id changes with what shapes training (a shard's bytes, a split's counts, the labels,
+    the image size), not with the manifest's path, layout, time or bookkeeping (coverage, rejects)."""
+    cfg = cfg_of()
+    base = identity.run_id(cfg, demo_manifest, None)
+    m = json.loads(demo_manifest.read_text())
+    moved = tmp_path / "elsewhere" / "manifest.json"
+    moved.parent.mkdir()
+    moved.write_text(json.dumps({**m, "coverage": {"n_listed": 1}, "n_rejects": 7, "title": "x"}, sort_keys=True))
+    assert identity.run_id(cfg, moved, None) == base
+
+    def changed(edit) -> str:
+        other = json.loads(demo_manifest.read_text())
+        edit(other)
+        path = tmp_path / "changed.json"
+        path.write_text(json.dumps(other))
+        return identity.run_id(cfg, path, None)
+    first = m["splits"]["train"]["shards"][0]
+    edits = {"shard": lambda o: o["splits"]["train"]["shards"][0].update(sha256="0" * 64),
+             "order": lambda o: o["splits"]["train"]["shards"].reverse(),
+             "count": lambda o: o["splits"]["val"].update(n_images=o["splits"]["val"]["n_images"] + 1),
+             "labels": lambda o: o["labels"].pop(),
+             "size": lambda o: o.update(image_size=o["image_size"] * 2)}
+    ids = {name: changed(edit) for name, edit in edits.items()}
+    assert base not in ids.values() and len(set(ids.values())) == len(ids)
+    old = identity.data_summary(demo_manifest)
+    new = json.loads(json.dumps(old))
+    new["splits"]["train"]["shards"] = [["f" * 64, first["count"]]] + new["splits"]["train"]["shards"][1:]
+    new["splits"]["test"]["n_images"] += 5
+    assert identity.data_changes(old, new) == (
+        f"train: shards: 1 new, 1 gone of {len(old['splits']['train']['shards'])}; "
+        f"test: images {old['splits']['test']['n_images']} -> {old['splits']['test']['n_images'] + 5}")
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({k: v for k, v in m.items() if k != "labels"}))
+    with pytest.raises(ManifestError, match=f"{broken}: not a dataset manifest of the shard stage .*'labels'"):
+        identity.run_id(cfg, broken, None)
+
+
+def test_a_malformed_identity_in_another_runs_checkpoint_is_not_trusted(demo_manifest, tmp_path):
+    ident = identity.identity(cfg_of(), demo_manifest, None)
+    hostile = {**ident.record(), "data": "other", "summary": {"splits": ["not", "a", "mapping"]}}
+    ckpt.save_atomic({"identity": hostile}, ckpt.checkpoint_path(tmp_path, 3, "0123456789abcdef"))
+    logs: list[str] = []
+    identity.explain_fresh_start(tmp_path, ident, logs.append)
+    assert logs == [f"data changed: the manifest's content differs (since step-000000003-0123456789abcdef.pt, run "
+                    f"0123456789abcdef; starting afresh as run {ident.run_id})"]
 
 
 def _config(n_images: int, val_fraction: float) -> dict:

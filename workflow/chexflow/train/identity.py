@@ -154,7 +154,11 @@ def explain_fresh_start(ckpt_dir: Path, ident: Identity, log: Callable[[str], No
             continue
         since = f"since {path.name}, run {ckpt.run_id_of(path)}; starting afresh as run {ident.run_id}"
         if rec.get("data") != ident.data:
-            log(f"data changed: {data_changes(rec['summary'], ident.summary)} ({since})")
+            try:
+                what = data_changes(rec["summary"], ident.summary)
+            except (AttributeError, TypeError, ValueError):     # a malformed summary (the file is untrusted)
+                what = "the manifest's content differs"
+            log(f"data changed: {what} ({since})")
         if rec.get("weights") != ident.weights:
             log(f"starting weights changed: sha256 {str(rec.get('weights'))[:12]} -> {str(ident.weights)[:12]} "
                 f"({since})")
