@@ -253,8 +253,8 @@ def ablation_runs():
 
 # ------------------------------------------------------------------ evaluation
 def evaluation_inputs(wildcards):
-    """Named inputs of evaluate_model besides the model: finetune_inputs (the shards' manifest, the
-    pretraining model the run id depends on) and the release's label table (subgroups) and box list
+    """Named inputs of evaluate_model besides the model: finetune_inputs (the shards' manifest and the
+    pretraining model, which the run id depends on) and the release's label table (subgroups) and box list
     (localisation) where the dataset has them."""
     ds = FINETUNE_DATASET
     source = STUDY.sources.get(ds)

@@ -3,8 +3,8 @@
 # heatmaps scored against the release's box list (evaluation_inputs). evaluate_model is the body
 # the studies' evaluations (evaluate_ablation, evaluate_seed, evaluate_sweep_winner) share through
 # `use rule ... with:`. Evaluation refuses a model whose run id is not the one of the training
-# settings it is handed (--train-config-json, and the pretraining model for init: pretrained, hence
-# the same inputs as the training job): a stale model is never scored.
+# settings it is handed on this manifest's data (--train-config-json, --manifest, and the pretraining
+# model for init: pretrained, hence the same inputs as the training job): a stale model is never scored.
 
 
 rule evaluate_model:

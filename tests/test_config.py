@@ -18,11 +18,11 @@ from chexflow.data.config import DemoReleaseConfig, ShardConfig
 from chexflow.settings import ConfigError, from_dict, load_stage_config, range_of, write_yaml_atomic
 from chexflow.train import config as T
 from chexflow.train.config import OptimConfig, TrainConfig
-from chexflow.train.trainer import run_id
+from chexflow.train.identity import settings_digest
 from conftest import REPO, snakemake
 
 # The run ids main (c401af0, before the training section was shared) computed for the default
-# config.yaml: an unchanged recipe keeps its id, so its checkpoints stay this run's.
+# config.yaml, from settings alone: an unchanged recipe keeps this part of its identity.
 MAIN_RUN_IDS = {"pretrain": "10bcb28840f91450", "finetune": "6a535442a4c4c4bf", "ablation": "0bcf04d2e222193d"}
 
 
@@ -50,10 +50,10 @@ def test_config_yaml_validates_and_builds_every_stage():
 
 def test_run_ids_of_the_unchanged_recipe_are_mains():
     study = C.check_study(default())
-    assert run_id(study.train["pretrain"], None) == MAIN_RUN_IDS["pretrain"]
-    assert run_id(study.train["finetune"], None) == MAIN_RUN_IDS["finetune"]
+    assert settings_digest(study.train["pretrain"])[:16] == MAIN_RUN_IDS["pretrain"]
+    assert settings_digest(study.train["finetune"])[:16] == MAIN_RUN_IDS["finetune"]
     ablation = dataclasses.replace(study.train["finetune"], init="random")
-    assert run_id(ablation, None) == MAIN_RUN_IDS["ablation"]
+    assert settings_digest(ablation)[:16] == MAIN_RUN_IDS["ablation"]
 
 
 def test_a_stage_overrides_a_shared_key_and_the_rules_get_the_resolved_section():
@@ -269,7 +269,7 @@ def test_yaml11_exponent_without_dot_is_the_number_meant(capsys):
     study = C.check_study(cfg)
     assert study.train["pretrain"].optim.lr == 0.001 and cfg["pretrain"]["optim"]["lr"] == 0.001
     assert "pretrain.optim.lr: '1e-3' is a string in YAML 1.1" in capsys.readouterr().err
-    assert run_id(study.train["pretrain"], None) == MAIN_RUN_IDS["pretrain"]
+    assert settings_digest(study.train["pretrain"])[:16] == MAIN_RUN_IDS["pretrain"]
     # by hand, a stage's own YAML file: the same
     assert load_stage_config(OptimConfig, text="lr: 5e-4\nname: adam\n").lr == 0.0005
     # a string that is no number stays an error; an integer setting takes no string

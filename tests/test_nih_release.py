@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from chexflow.data import nih, registry, shards, sources
@@ -21,6 +22,7 @@ from chexflow.evaluate import published
 from conftest import REPO, job_counts, snakemake
 from http_server import FileServer
 from nih_mirror import generate, make_nih_mirror
+from test_data_identity import check_disjoint
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +238,16 @@ def test_workflow_on_the_release_layout_pilot_then_full(tmp_path, monkeypatch):
         assert "official NIH split lists" in html
         assert metrics["n_images"] == manifest["splits"]["test"]["n_images"]
 
+        pilot_id = torch.load(work / "results/finetune/model.pt", weights_only=True)["run_id"]
+        check_disjoint(work, "nih")
+
         # the full release in the same working directory: the 10 other archives, nothing else redone
         jobs, html, manifest, metrics = _run(work, _study_config(srv.base_url, None))
+    # fine-tuning started afresh on the full data (never resumed the pilot's run), and says why
+    log = (work / "logs/finetune/train.log").read_text()
+    assert "data changed: train: images " in log and not re.search(r"resuming from \S+ at step", log)
+    assert torch.load(work / "results/finetune/model.pt", weights_only=True)["run_id"] != pilot_id
+    check_disjoint(work, "nih")
     assert jobs["download_file"] == 10 and jobs["write_shards"] == 10 and jobs["gather_shards"] == 1
     assert "pretrain_model" not in jobs and "split_dataset" not in jobs
     cov = manifest["coverage"]

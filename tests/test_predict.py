@@ -34,6 +34,7 @@ from chexflow.predict.model import PredictInputError, load_predictor
 from chexflow.config import check_study
 from chexflow.settings import ConfigError, from_dict
 from chexflow.train import trainer as T
+from chexflow.train import identity
 from chexflow.train.backends import Backend
 from chexflow.train.checkpoint import ModelFileError, load_model_file
 from chexflow.train.config import TrainConfig
@@ -135,7 +136,7 @@ class Study:
                                                    checkpoint={"every_steps": 100}))
         paths = T.TrainPaths(manifest=self.manifest, out_dir=root / "finetune", ckpt_dir=root / "finetune" / "ckpt")
         assert T.Trainer(cfg, paths, Backend()).fit() == 0
-        self.run_id = T.run_id(cfg, None)
+        self.run_id = identity.run_id(cfg, self.manifest, None)
         self.model = root / "finetune" / "model.pt"
         evaluate.run(EvaluateConfig(batch_size=16, bootstrap_resamples=20), model_path=self.model,
                      manifest=self.manifest, out_dir=root / "evaluate")

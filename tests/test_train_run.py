@@ -15,6 +15,7 @@ import pytest
 from chexflow.settings import from_dict
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
+from chexflow.train import identity
 from chexflow.train.config import TrainConfig
 from chexflow.train.run import start
 from conftest import REPO, cli_env
@@ -37,7 +38,8 @@ def test_finished_and_diverged_runs_in_this_process(demo_manifest, tmp_path):
     cfg = _cfg()
     done = start(cfg, _paths(tmp_path, demo_manifest))
     assert (done.status, done.exit_code, done.finished) == ("finished", 0, True)
-    assert done.run_id == T.run_id(cfg, None) and done.model == tmp_path / "out/model.pt" and done.model.is_file()
+    assert done.run_id == identity.run_id(cfg, demo_manifest, None)
+    assert done.model == tmp_path / "out/model.pt" and done.model.is_file()
 
     bad = _cfg(optim={"lr": 1e30}, check_every_steps=1, max_steps=None)
     out = start(bad, _paths(tmp_path / "bad", demo_manifest))
@@ -78,7 +80,7 @@ def test_through_a_launcher_the_ranks_verdict_comes_back(demo_manifest, tmp_path
     cfg = _cfg()
     done = start(cfg, _paths(tmp_path, demo_manifest), launcher=["chexflow", "launch"], ranks=1)
     assert (done.status, done.exit_code) == ("finished", 0) and done.model.is_file()
-    assert done.run_id == T.run_id(cfg, None)
+    assert done.run_id == identity.run_id(cfg, demo_manifest, None)
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     out = start(cfg, _paths(tmp_path / "b", broken), launcher=["chexflow", "launch"], ranks=1)

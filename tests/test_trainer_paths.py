@@ -13,6 +13,7 @@ import torch
 from chexflow.settings import from_dict
 from chexflow.train.config import TrainConfig
 from chexflow.train import checkpoint as ckpt
+from chexflow.train import identity
 from chexflow.train import trainer as T
 from chexflow.train.backends import Backend
 from chexflow.train.schedule import lr_at
@@ -188,12 +189,14 @@ def test_resume_on_another_world_size_remaps_position_and_lr(demo_manifest, tmp_
     assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(6, **t._schedule_args()))
 
 
-def test_run_id_ignores_how_a_run_is_checkpointed_not_what_it_computes():
-    a = T.run_id(cfg_of(), None)
-    assert T.run_id(cfg_of(checkpoint={"every_steps": 9, "keep": 1, "on_world_change": "remap"},
-                           check_every_steps=1, ddp={"timeout_s": 5}, data={"stage_to": "/tmp/x"}), None) == a
-    assert T.run_id(cfg_of(optim={"lr": 0.5}), None) != a
-    assert T.run_id(cfg_of(data={"crop": 48}), None) != a
+def test_run_id_ignores_how_a_run_is_checkpointed_not_what_it_computes(demo_manifest):
+    def rid(cfg):
+        return identity.run_id(cfg, demo_manifest, None)
+    a = rid(cfg_of())
+    assert rid(cfg_of(checkpoint={"every_steps": 9, "keep": 1, "on_world_change": "remap"},
+                      check_every_steps=1, ddp={"timeout_s": 5}, data={"stage_to": "/tmp/x"})) == a
+    assert rid(cfg_of(optim={"lr": 0.5})) != a
+    assert rid(cfg_of(data={"crop": 48})) != a
 
 
 @pytest.mark.skipif(not horovod_available(), reason="horovod not built")

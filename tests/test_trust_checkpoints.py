@@ -25,6 +25,7 @@ from chexflow.train.config import TrainConfig
 from chexflow.studies import sweep
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
+from chexflow.train import identity
 from chexflow.train.backends import Backend
 from chexflow.train.models import build_model
 from conftest import checkpoint_step, cli_env
@@ -252,7 +253,7 @@ def test_planted_checkpoints_never_run_and_the_run_resumes_from_the_newest_valid
     first = _small(max_steps=3)
     proc = _cli_train(first, demo_manifest, tmp_path, "first")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_id = T.run_id(from_dict(TrainConfig, first), None)
+    run_id = identity.run_id(from_dict(TrainConfig, first), demo_manifest, None)
     assert [checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path / "ckpt", run_id=run_id)] == [2, 3]
     marker = tmp_path / "PWNED"
     plant_zip(tmp_path / "ckpt" / f"step-000000050-{run_id}.pt", marker)
@@ -306,7 +307,7 @@ def test_no_valid_epoch_fails_and_never_writes_a_stale_model(demo_manifest, tmp_
     previous = _small(epochs=1)
     proc = _cli_train(previous, demo_manifest, tmp_path, "previous")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    prev_id = T.run_id(from_dict(TrainConfig, previous), None)
+    prev_id = identity.run_id(from_dict(TrainConfig, previous), demo_manifest, None)
     best = tmp_path / "ckpt" / f"best-{prev_id}.pt"
     assert ckpt.load_model_file(best, expect={"run_id": prev_id, "epoch": 1})
     shutil.copyfile(best, tmp_path / "ckpt" / "best.pt")        # the name main used for every run
@@ -351,8 +352,8 @@ def test_evaluation_refuses_a_model_of_another_config_naming_both_run_ids(demo_m
 
     other = _small(epochs=1, optim={"lr": 0.01})
     proc = evaluate(other, "wrong")
-    own_id = T.run_id(from_dict(TrainConfig, trained), None)
-    other_id = T.run_id(from_dict(TrainConfig, other), None)
+    own_id = identity.run_id(from_dict(TrainConfig, trained), demo_manifest, None)
+    other_id = identity.run_id(from_dict(TrainConfig, other), demo_manifest, None)
     assert proc.returncode != 0
     assert f"{model}: refused: not the model expected here: run_id: the file's '{own_id}', expected '{other_id}'" \
         in proc.stderr

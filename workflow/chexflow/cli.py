@@ -118,13 +118,14 @@ def _expected_run_ids(args) -> set[str] | None:
         return None
     section = load_stage_config(TrainConfig, text=args.train_config_json)
     if args.trials_json is None:
-        return expected_run_ids([section], args.pretrained)
+        return expected_run_ids([section], args.manifest, args.pretrained)
     from chexflow.studies.sweep import apply_params
     trials = json.loads(args.trials_json)
     if not isinstance(trials, list) or not all(isinstance(t, dict) for t in trials):
         raise ConfigError(f"--trials-json: expected a list of mappings (the trials' overrides), got {trials!r}")
     base = json.loads(args.train_config_json)
-    return expected_run_ids([from_dict(TrainConfig, apply_params(base, t)) for t in trials], args.pretrained)
+    trial_cfgs = [from_dict(TrainConfig, apply_params(base, t)) for t in trials]
+    return expected_run_ids(trial_cfgs, args.manifest, args.pretrained)
 
 
 def cmd_evaluate(args) -> None:

@@ -41,15 +41,16 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
     return np.concatenate(scores), np.concatenate(targets), patients, images
 
 
-def expected_run_ids(train_cfgs: list[TrainConfig], pretrained: Path | None) -> set[str]:
+def expected_run_ids(train_cfgs: list[TrainConfig], manifest: Path, pretrained: Path | None) -> set[str]:
     """The run ids a model to evaluate may carry: those of the training settings that should have
-    produced it (the finetune section; the sweep's trials) with its pretraining model."""
-    from chexflow.train.trainer import run_id
+    produced it (the finetune section; the sweep's trials) on the data of ``manifest`` (the one it
+    is evaluated on) from its pretraining model: a model of other data is refused as stale."""
+    from chexflow.train.identity import run_id
     for c in train_cfgs:
         if c.init == "pretrained" and pretrained is None:
             raise ValueError(f"{c.stage}.init is pretrained: the pretraining model is needed to compute the "
                              "expected run id of the model (--pretrained)")
-    return {run_id(c, pretrained) for c in train_cfgs}
+    return {run_id(c, manifest, pretrained) for c in train_cfgs}
 
 
 def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,

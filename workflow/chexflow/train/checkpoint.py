@@ -30,6 +30,7 @@ import torch
 
 from chexflow import __version__
 from chexflow.fsutil import NotRegularFile, atomic_path, check_regular, open_regular
+from chexflow.train.weights import weights_problem
 
 _NAME = re.compile(r"^step-(\d{9})(?:-([0-9A-Za-z]+))?\.pt$")
 
@@ -196,6 +197,11 @@ def _step_of(path: Path) -> int:
     return int(_NAME.match(Path(path).name).group(1))
 
 
+def run_id_of(path: Path) -> str | None:
+    """The run id in a checkpoint's name (None for a name without one)."""
+    return _NAME.match(Path(path).name).group(2)
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, state: dict, *, keep: int) -> Path:
     """Write ``state`` (which names its ``run_id``) and prune that run's older checkpoints only.
 
@@ -247,8 +253,10 @@ def _set_aside_unopened(path: Path, reason: str) -> None:
               file=sys.stderr, flush=True)
 
 
-def checkpoint_problem(state: Any, path: Path, run_id: str) -> str | None:
-    """Why ``state`` (loaded from ``path``) is not a checkpoint this run can resume, or None."""
+def checkpoint_problem(state: Any, path: Path, run_id: str,
+                       expect_model: Mapping[str, torch.Tensor] | None = None) -> str | None:
+    """Why ``state`` (loaded from ``path``) is not a checkpoint this run can resume, or None;
+    ``expect_model``: the state dict of the run's network, whose keys and shapes its weights must have."""
     if not isinstance(state, dict):
         return f"not a chexflow checkpoint (holds a {type(state).__name__})"
     if state.get("format") != CHECKPOINT_FORMAT:
@@ -266,6 +274,8 @@ def checkpoint_problem(state: Any, path: Path, run_id: str) -> str | None:
         return f"its name says step {_step_of(path)}, its content step {state['step']}"
     if not isinstance(state["model"], dict) or not all(isinstance(v, torch.Tensor) for v in state["model"].values()):
         return "its 'model' entry is not a state dict of tensors"
+    if expect_model is not None and (problem := weights_problem(expect_model, state["model"])):
+        return f"its weights do not fit this run's network: {problem}"
     if not isinstance(state["optimizer"], dict) or not isinstance(state["scheduler"], dict):
         return "its 'optimizer' or 'scheduler' entry is not a state dict"
     return _progress_problem(state)
@@ -306,19 +316,23 @@ def set_aside(path: Path, reason: str, log: Callable[[str], None]) -> Path:
     return aside
 
 
-def load_newest_valid(ckpt_dir: Path, *, run_id: str, log=print) -> tuple[Path, dict] | None:
-    """The newest checkpoint of run ``run_id`` that loads weights-only and is complete.
+def load_newest_valid(ckpt_dir: Path, *, run_id: str, log=print, expect_model: Mapping[str, torch.Tensor] | None = None,
+                      at_step: int | None = None) -> tuple[Path, dict] | None:
+    """The newest checkpoint of run ``run_id`` that loads weights-only and is complete (and, with
+    ``expect_model``, whose weights fit that state dict's keys and shapes; with ``at_step``, of that step).
 
-    A refused file (not weights-only, corrupt, incomplete, another format or run) is logged with
-    its reason and renamed aside; a file that cannot be read at all (I/O error) is skipped and left
-    in place. Checkpoints of other runs (other settings or starting weights) are ignored, so a
-    changed config starts afresh.
+    A refused file (not weights-only, corrupt, incomplete, another format or run, weights of another
+    network) is logged with its reason and renamed aside, and the next older one is tried; a file
+    that cannot be read at all (I/O error) is skipped and left in place. Checkpoints of other runs
+    (other settings, data or starting weights) are ignored, so a changed config or dataset starts afresh.
     """
-    others = [p for p in list_checkpoints(ckpt_dir) if _NAME.match(p.name).group(2) != run_id]
-    if others:
-        log(f"{len(others)} checkpoint(s) in {ckpt_dir} belong to other configurations (not this run "
-            f"{run_id}); not resuming from them")
+    others = [p for p in list_checkpoints(ckpt_dir) if run_id_of(p) != run_id]
+    if others and at_step is None:
+        log(f"{len(others)} checkpoint(s) in {ckpt_dir} belong to other runs (other settings, data or starting "
+            f"weights; not this run {run_id}); not resuming from them")
     for path in reversed(list_checkpoints(ckpt_dir, run_id=run_id)):
+        if at_step is not None and _step_of(path) != at_step:
+            continue
         try:
             state = load_pt(path)
         except RefusedFile as exc:
@@ -327,7 +341,7 @@ def load_newest_valid(ckpt_dir: Path, *, run_id: str, log=print) -> tuple[Path, 
         except OSError as exc:
             log(f"checkpoint {path}: cannot be read ({exc}); trying an older one")
             continue
-        problem = checkpoint_problem(state, path, run_id)
+        problem = checkpoint_problem(state, path, run_id, expect_model)
         if problem:
             set_aside(path, problem, log)
             continue
@@ -347,17 +361,59 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
+# ------------------------------------------------------------------ weights
+def best_model(best_path: Path, ckpt_dir: Path, *, run_id: str, epoch: int, step: int,
+               expect_model: Mapping[str, torch.Tensor], rebuild: Callable[[dict], dict], log=print) -> dict:
+    """The model file of a run's best epoch: ``best_path`` when it is that model and fits
+    ``expect_model``; else (renamed aside when refused) ``rebuild`` of the weights of the run's
+    newest valid checkpoint at the end of that epoch (``step``); with none left, a
+    :class:`ModelFileError` saying what to delete to train the run again."""
+    best_path = Path(best_path)
+    try:
+        final = load_model_file(best_path, expect={"run_id": run_id, "epoch": epoch})
+        problem = weights_problem(expect_model, final["state_dict"])
+        if not problem:
+            return final
+        problem = f"its weights do not fit this run's network: {problem}"
+    except ModelFileError as exc:
+        problem = str(exc).split(": refused: ", 1)[-1]
+    except FileNotFoundError:
+        problem = "missing"
+    if best_path.exists():
+        set_aside(best_path, problem, log)
+    found = load_newest_valid(ckpt_dir, run_id=run_id, log=log, expect_model=expect_model, at_step=step)
+    if found is None:
+        raise ModelFileError(f"{best_path}: refused ({problem}), and no valid checkpoint of its epoch {epoch} "
+                             f"(step {step}) is left to rebuild it: delete {Path(ckpt_dir)}/step-*-{run_id}.pt "
+                             "and rerun to train this run again")
+    log(f"best model of epoch {epoch} rebuilt from {found[0]}")
+    return rebuild(found[1]["model"])
+
+
+def load_weights(model: torch.nn.Module, state_dict: Mapping[str, Any], *, source: Path, what: str) -> None:
+    """Load ``state_dict`` into ``model`` after :func:`weights_problem`; a mismatch is a
+    :class:`ModelFileError` naming ``source``, ``what`` the network is and the first mismatching keys."""
+    problem = weights_problem(model.state_dict(), state_dict)
+    if problem:
+        raise ModelFileError(f"{source}: refused: its weights do not fit {what}: {problem}")
+    model.load_state_dict(state_dict)
+
+
 # ------------------------------------------------------------------ model files
 def model_record(*, state_dict: dict, run_id: str, stage: str, dataset: str, task: str, labels: list[str],
                  arch: str, in_channels: int, crop: int, epoch: int, val_metric: float, val_metric_name: str,
-                 config: dict) -> dict:
+                 config: dict, data: dict | None = None) -> dict:
     """A model file's content (``model.pt``, ``best-<run id>.pt``): the weights and what identifies
-    them (the run id of the settings and starting weights that trained them, the task and labels
-    they predict, the network, the format version). Checked here as a reader checks it."""
+    them (the run id of the settings, data and starting weights that trained them, the task and labels
+    they predict, the network, the format version); ``data``: the summary of the dataset it was
+    trained on (``chexflow.train.identity.data_summary``: its shards' sha256 per split). Checked here
+    as a reader checks it."""
     record = {"format": MODEL_FORMAT, "chexflow_version": __version__, "run_id": run_id, "stage": stage,
               "dataset": dataset, "task": task, "labels": list(labels), "arch": arch, "in_channels": in_channels,
               "num_outputs": len(labels), "crop": crop, "epoch": epoch, "val_metric": float(val_metric),
               "val_metric_name": val_metric_name, "config": config, "state_dict": state_dict}
+    if data is not None:
+        record["data"] = data
     problems = model_problems(record)
     if problems:
         raise ValueError(f"model record: {'; '.join(problems)}")
@@ -433,7 +489,7 @@ def load_model(path: Path, *, expect: Mapping[str, Any] | None = None) -> tuple[
     what = f"{info['arch']} with {info['in_channels']} input channel(s) and {info['num_outputs']} outputs"
     try:
         model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
-        model.load_state_dict(info["state_dict"])
-    except (ModelError, RuntimeError) as exc:
-        raise ModelFileError(f"{path}: refused: its weights do not fit {what} ({_first_line(exc)})") from exc
+    except ModelError as exc:
+        raise ModelFileError(f"{path}: refused: {what} cannot be built ({_first_line(exc)})") from exc
+    load_weights(model, info["state_dict"], source=path, what=what)
     return model.eval(), info

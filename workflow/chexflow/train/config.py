@@ -5,7 +5,8 @@ config.yaml writes them in two parts. ``training:`` says HOW training runs, for 
 checks, Horovod/DDP, loader workers, staging, optimizer kernels); ``pretrain:`` and ``finetune:`` say
 WHAT each stage trains (model, epochs, batch, optimiser, schedule, crop, augmentation) and may
 override any ``training`` key for that stage. :func:`resolve` merges them; the result is the same
-TrainConfig as before the split, so a run's id (``chexflow.train.trainer.run_id``) does not change.
+TrainConfig as before the split, so the settings part of a run's id (``chexflow.train.identity``)
+does not change.
 """
 from __future__ import annotations
 

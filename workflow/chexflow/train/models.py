@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torchvision
 
+from chexflow.train.weights import weights_problem
+
 
 class ModelError(ValueError):
     pass
@@ -58,13 +60,15 @@ def head_prefix(model: torch.nn.Module) -> str:
 
 
 def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *,
-                  stages: int | None = None) -> list[str]:
+                  stages: int | None = None, source: str = "the pretrained model") -> list[str]:
     """Copy backbone weights (everything but the head) from a pretrained state dict.
 
-    ``stages``: only the first ``stages`` backbone stages (:func:`backbone_stages`) are loaded, the
-    later ones keep their random init (None: the whole backbone). The stem is adapted when the
-    pretrained model saw a different number of channels. Returns the names of the tensors loaded;
-    raises if nothing matches (wrong architecture).
+    The file's backbone must fit this model's (``weights.weights_problem``: every backbone tensor
+    present, none the architecture does not have, the same shapes), except that the stem is adapted
+    when the pretrained model saw a different number of channels; anything else is a ModelError
+    naming ``source`` and the first mismatching keys. ``stages``: only the first ``stages`` backbone
+    stages (:func:`backbone_stages`) are taken, the later ones keep their random init (None: the
+    whole backbone). Returns the names of the tensors taken.
     """
     prefix = head_prefix(model)
     own = model.state_dict()
@@ -75,22 +79,23 @@ def load_backbone(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *
             raise ModelError(f"transfer_stages: {stages} is outside 1..{len(all_stages)} "
                              f"(stages: {', '.join(s for s, _ in all_stages)})")
         keep = tuple(f"{name}." for name, _ in all_stages[:stages])
-    loaded = []
-    for key, value in state_dict.items():
-        if key.startswith(prefix) or key not in own or (keep is not None and not key.startswith(keep)):
-            continue
-        if own[key].shape != value.shape:
-            if value.dim() == 4 and own[key].shape[1] != value.shape[1] and own[key].shape[0] == value.shape[0]:
-                value = value.sum(dim=1, keepdim=True).repeat(1, own[key].shape[1], 1, 1) / own[key].shape[1]
-            else:
-                raise ModelError(f"pretrained tensor {key}: shape {tuple(value.shape)} does not fit "
-                                 f"{tuple(own[key].shape)}")
-        own[key] = value
-        loaded.append(key)
-    if not loaded:
-        raise ModelError("no pretrained tensor matches this model (different model.arch?)")
+    theirs = {k: _adapt_channels(v, own.get(k)) for k, v in state_dict.items() if not k.startswith(prefix)}
+    problem = weights_problem({k: v for k, v in own.items() if not k.startswith(prefix)}, theirs)
+    if problem:
+        raise ModelError(f"{source}: refused: its backbone does not fit this model's: {problem}")
+    loaded = [k for k in theirs if keep is None or k.startswith(keep)]
+    own.update({k: theirs[k] for k in loaded})
     model.load_state_dict(own)
     return loaded
+
+
+def _adapt_channels(value, own: torch.Tensor | None):
+    """A stem convolution's weights summed over its input channels and spread over ``own``'s."""
+    if (isinstance(value, torch.Tensor) and own is not None and value.dim() == 4 and own.dim() == 4
+            and value.shape[1] != own.shape[1] and value.shape[0] == own.shape[0]
+            and value.shape[2:] == own.shape[2:]):
+        return value.sum(dim=1, keepdim=True).repeat(1, own.shape[1], 1, 1) / own.shape[1]
+    return value
 
 
 def param_groups(model: torch.nn.Module, *, backbone_lr_mult: float = 1.0) -> list[dict]:

@@ -21,7 +21,8 @@ from chexflow.settings import to_dict
 from chexflow.train.backends import Backend, backend_for
 from chexflow.train.config import TrainConfig
 from chexflow.train.trainer import (DIVERGED_MARKER, EXIT_DIVERGED, EXIT_LEASE_HELD, EXIT_NO_VALID_EPOCH,
-                                    EXIT_PREEMPTED, NoValidEpoch, Trainer, TrainPaths, _log, run_id)
+                                    EXIT_PREEMPTED, NoValidEpoch, Trainer, TrainPaths, _log)
+from chexflow.train.identity import run_id
 
 # exits of a launcher whose ranks were stopped from outside (preempted, killed, interrupted) or did
 # not start because another trainer holds the checkpoint directory: no outcome of the run itself;
@@ -36,7 +37,8 @@ class Outcome:
     """How a training run ended."""
     status: Literal["finished", "diverged", "no_valid_epoch", "interrupted", "crashed"]
     exit_code: int              # what the process that ran it exits with (0 only when finished)
-    run_id: str                 # chexflow.train.trainer.run_id: which checkpoints belong to this run
+    run_id: str                 # chexflow.train.identity.run_id (which checkpoints belong to this run); "" when
+    #                             its manifest or starting weights could not be read
     model: Path | None          # model.pt, when finished
     detail: str = ""            # diverged: where; no_valid_epoch: why; interrupted / crashed: the signal or exit code
     log_tail: tuple[str, ...] = ()   # crashed under a launcher: the ranks' last output lines
@@ -96,7 +98,6 @@ def _launch(cfg: TrainConfig, paths: TrainPaths, launcher: list[str], ranks: int
     for flag, path in (("--pretrained", paths.pretrained), ("--tensorboard", paths.tensorboard)):
         if path is not None:
             cmd += [flag, str(path)]
-    ident = run_id(cfg, paths.pretrained if cfg.init == "pretrained" else None)
     tail: collections.deque[str] = collections.deque(maxlen=15)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "CHEXFLOW_BACKEND": cfg.backend})
@@ -118,6 +119,10 @@ def _launch(cfg: TrainConfig, paths: TrainPaths, launcher: list[str], ranks: int
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     sys.stdout.flush()
+    try:        # after the ranks: what they could not read (a broken manifest) is their verdict, as "crashed"
+        ident = run_id(cfg, paths.manifest, paths.pretrained)
+    except (ValueError, OSError):
+        ident = ""
     if stopped:
         return Outcome("interrupted", 128 + stopped[0], ident, None, f"{signal.Signals(stopped[0]).name} received")
     if (out_dir / DIVERGED_MARKER).is_file():     # (the launcher may pass on another code than the ranks')

@@ -13,7 +13,6 @@ resumed from its checkpoint reproduces the uninterrupted run (bit-identical on C
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -27,10 +26,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from chexflow.fsutil import sha256_file, write_text_atomic
+from chexflow.fsutil import write_text_atomic
 from chexflow.settings import to_dict, write_yaml_atomic
 from chexflow.train import checkpoint as ckpt
-from chexflow.train import lease, signals
+from chexflow.train import identity, lease, signals
 from chexflow.train import val_metrics as M
 from chexflow.train.backends import Backend, gather_arrays
 from chexflow.train.config import TrainConfig
@@ -62,23 +61,6 @@ def _mix(*xs: int) -> int:
 def _log(backend: Backend, msg: str) -> None:
     if backend.is_root:
         print(f"[chexflow {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def run_id(cfg: TrainConfig, pretrained: Path | None) -> str:
-    """The identity of a run: a checkpoint is resumed only by the run that wrote it (same settings
-    that shape the result, same starting weights). How it is checkpointed, checked and
-    communicated (checkpoint.*, check_every_steps, ddp.*, fusion threshold, staging) and where it
-    stops (max_steps) can change between attempts without starting afresh."""
-    if cfg.init != "pretrained":
-        pretrained = None       # a run from random init does not depend on any pretraining model
-    ident = to_dict(cfg)
-    for key in ("checkpoint", "check_every_steps", "ddp", "max_steps"):
-        ident.pop(key)
-    ident["data"].pop("stage_to")
-    ident["horovod"].pop("fusion_threshold_mb")
-    ident["horovod"].pop("stage_through_cpu")
-    text = json.dumps(ident, sort_keys=True) + (sha256_file(pretrained) if pretrained is not None else "")
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class ResumeError(RuntimeError):
@@ -127,7 +109,9 @@ class Trainer:
         # reads the manifest only; staging to node-local disk (a collective) happens in fit()
         self.data = TrainData.build(cfg, paths.manifest, rank=backend.rank, world=backend.size)
         self.total_steps = cfg.epochs * self.steps_per_epoch
-        self.run_id = run_id(cfg, paths.pretrained if cfg.init == "pretrained" else None)
+        # what shapes the result (settings, the manifest's content, the starting weights): chexflow.train.identity
+        self.identity = identity.identity(cfg, paths.manifest, paths.pretrained)
+        self.run_id = self.identity.run_id
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.frozen: list[torch.nn.Module] = []
@@ -178,20 +162,22 @@ class Trainer:
         backend, cfg = self.backend, self.cfg
         state, source = None, None
         if backend.is_root:
-            found = ckpt.load_newest_valid(self.paths.ckpt_dir, run_id=self.run_id, log=lambda m: _log(backend, m))
+            log = lambda m: _log(backend, m)   # noqa: E731
+            found = ckpt.load_newest_valid(self.paths.ckpt_dir, run_id=self.run_id, log=log,
+                                           expect_model=model.state_dict())
             if found:
                 source, state = found
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["optimizer"])     # moved to each parameter's device
             else:   # a fresh start: a best model of an earlier attempt is not this attempt's
                 self.best_path.unlink(missing_ok=True)
+                identity.explain_fresh_start(self.paths.ckpt_dir, self.identity, log)
             if not found and cfg.init == "pretrained":
-                if self.paths.pretrained is None:
-                    raise ValueError("init: pretrained needs the pretraining model file")
                 pre = ckpt.load_model_file(self.paths.pretrained, expect={"arch": cfg.model.arch})
-                loaded = load_backbone(model, pre["state_dict"], stages=cfg.transfer_stages)
+                loaded = load_backbone(model, pre["state_dict"], stages=cfg.transfer_stages,
+                                       source=str(self.paths.pretrained))
                 _log(backend, f"initialised {len(loaded)} backbone tensors from {self.paths.pretrained} "
-                              "(model weights only; new head)")
+                              f"(of its {len(pre['state_dict'])}; model weights only; new head)")
         meta = {"resumed": state is not None, "source": str(source) if source else None}
         if state is not None:
             meta.update({k: state.get(k) for k in ("step", "epoch", "step_in_epoch", "history", "best", "scheduler",
@@ -208,8 +194,8 @@ class Trainer:
                 self._resume_other_world(prog, sched, meta["source"], written_by)
             else:
                 sched.load_state_dict(meta["scheduler"])
-            _log(backend, f"resuming from {meta['source']} at step {prog.step} "
-                          f"(epoch {prog.epoch}, step {prog.in_epoch} of the epoch)")
+            _log(backend, f"resuming from {meta['source']} at step {prog.step}: epoch {prog.epoch + 1}/{cfg.epochs}, "
+                          f"{prog.in_epoch} of its {self.steps_per_epoch} steps done")
         # parameters last: whatever rank 0 holds now is what every rank trains
         backend.broadcast_model(model)
         return prog
@@ -348,7 +334,7 @@ class Trainer:
         if math.isfinite(val_metric) and val_metric > prog.best["metric"]:
             prog.best = {"metric": val_metric, "epoch": prog.epoch}
             if backend.is_root:
-                ckpt.save_atomic(self._model_file(model, row), self.best_path)
+                ckpt.save_atomic(self._model_file(_weights(model), row), self.best_path)
         self._save(model, opt, sched, prog)
 
     def train_one_epoch(self, model, opt, sched, stream, prog: Progress, writer) -> tuple[int, dict]:
@@ -483,17 +469,14 @@ class Trainer:
         per = M.auroc_per_label(t.astype(np.float64), s, list(self.labels))
         return val_loss, float(M.mean_auroc(per)), "mean_auroc"
 
-    def _model_file(self, model, row: dict) -> dict:
-        """The model file of ``model`` as validated in ``row`` (its epoch and validation metric)."""
-        net = getattr(model, "module", model)
-        net = getattr(net, "_orig_mod", net)
-        sd = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    def _model_file(self, sd: dict, row: dict) -> dict:
+        """The model file of the weights ``sd`` as validated in ``row`` (its epoch and validation metric)."""
         cfg = self.cfg
         return ckpt.model_record(state_dict=sd, run_id=self.run_id, stage=cfg.stage, dataset=cfg.dataset,
                                  task=self.task, labels=list(self.labels), arch=cfg.model.arch,
                                  in_channels=cfg.model.in_channels, crop=cfg.data.crop, epoch=row["epoch"],
                                  val_metric=row["val_metric"], val_metric_name=row["val_metric_name"],
-                                 config=to_dict(cfg))
+                                 config=to_dict(cfg), data=self.identity.summary)
 
     def _save(self, model, opt, sched, prog: Progress, partial=None) -> None:
         # collective first (every rank reaches this point at the same step), then rank 0 writes
@@ -503,9 +486,7 @@ class Trainer:
                     "n": int(partial[1])}
         if not self.backend.is_root:
             return
-        net = getattr(model, "module", model)
-        net = getattr(net, "_orig_mod", net)
-        state = {"model": {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()},
+        state = {"model": _weights(model), "identity": self.identity.record(),
                  "optimizer": ckpt.to_cpu(opt.state_dict()), "scheduler": sched.state_dict(),
                  "step": prog.step, "epoch": prog.epoch, "step_in_epoch": prog.in_epoch,
                  "history": prog.history, "best": prog.best, "partial": part,
@@ -513,6 +494,13 @@ class Trainer:
                  "world_size": self.backend.size, "config": to_dict(self.cfg), "run_id": self.run_id}
         path = ckpt.save_checkpoint(self.paths.ckpt_dir, prog.step, state, keep=self.cfg.checkpoint.keep)
         _log(self.backend, f"checkpoint {path} (step {prog.step})")
+
+    def _best_model(self, prog: Progress) -> dict:
+        """best-<run id>.pt, checked (or rebuilt from the checkpoint of its epoch: checkpoint.best_model)."""
+        row = next(r for r in prog.history if r["epoch"] == prog.best["epoch"])
+        return ckpt.best_model(self.best_path, self.paths.ckpt_dir, run_id=self.run_id, epoch=row["epoch"],
+                               step=row["step"], expect_model=_weights(self.model),
+                               rebuild=lambda sd: self._model_file(sd, row), log=lambda m: _log(self.backend, m))
 
     def _no_valid_epoch(self, rows: list[dict]) -> NoValidEpoch:
         stage = self.cfg.stage
@@ -536,9 +524,9 @@ class Trainer:
             return
         out = Path(self.paths.out_dir)
         if stopped and math.isfinite(stopped["val_metric"]) and stopped["val_metric"] > prog.best["metric"]:
-            final = self._model_file(model, stopped)
+            final = self._model_file(_weights(model), stopped)
         else:
-            final = ckpt.load_model_file(self.best_path, expect={"run_id": self.run_id, "epoch": prog.best["epoch"]})
+            final = self._best_model(prog)
         write_yaml_atomic(self.cfg, out / "config.yaml")
         write_text_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         ckpt.save_atomic(final, out / "model.pt")
@@ -546,3 +534,9 @@ class Trainer:
                            f"val {final['val_metric_name']} {final['val_metric']:.4f})")
         self.backend.barrier()
 
+
+def _weights(model) -> dict:
+    """The state dict of the bare network (out of its DDP and torch.compile wrappers), on the CPU."""
+    net = getattr(model, "module", model)
+    net = getattr(net, "_orig_mod", net)
+    return {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
