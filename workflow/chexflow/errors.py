@@ -1,0 +1,151 @@
+"""How a chexflow command refuses: one line on stderr and a documented exit code.
+
+Every exception class chexflow raises for a problem with what it was given (a setting, a file, a
+download, the machine) is in :data:`REFUSALS`, by its dotted name, with its exit code and what to
+do; a subclass that is not listed takes its nearest listed base's entry. ``chexflow <command>``
+(``chexflow.cli.main``) turns one into
+
+    chexflow <command>: <file>: <what is wrong> (<what to do>)
+
+(the message names the file and the problem; a configuration error gives one such line per
+problem) and exits with the code. The traceback comes too only with ``chexflow --debug`` or
+``CHEXFLOW_DEBUG=1``. Any other exception is a bug: its traceback, exit status 1.
+
+The table holds names, not classes: nothing is imported to build it (the command line stays fast)
+and it sits at the bottom of the layers. docs/errors.md lists the codes; tests keep both in step
+with the package's exception classes and the trainer's own exit codes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEBUG_ENV = "CHEXFLOW_DEBUG"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: int       # the exit status
+    todo: str       # what to do, shown in parentheses after the message
+
+
+# exit status -> what it means (docs/errors.md has the same table; 3, 4, 5 and 143 are the
+# trainer's, chexflow.train.trainer / chexflow.train.lease, and keep their numbers)
+CODES: dict[int, str] = {
+    1: "an unexpected error (a bug): the traceback is printed",
+    2: "a setting or a command-line argument is wrong",
+    3: "training diverged",
+    4: "training validated no epoch",
+    5: "the checkpoint directory is held by another trainer",
+    6: "a model or checkpoint file is refused",
+    7: "input data is refused: a manifest, shard, archive, label table, image or study record",
+    8: "a download failed, or the mirror lacks the file",
+    9: "a file is not the pinned one (checksum or size)",
+    10: "not enough free disk space",
+    11: "a file could not be read or written (the operating system's reason)",
+    12: "an exported model disagrees with torch",
+    13: "the ranks' launch environment does not fit the training backend",
+    14: "the installer cannot go on",
+    143: "training was preempted (SIGTERM): a checkpoint is written",
+}
+
+_CONFIG = "fix the setting named: config.yaml's comments say what is allowed"
+_REWRITE = "snakemake writes it again: delete it, if present, and run snakemake"
+_DATA = "fix or replace the file named, then run snakemake again"
+
+REFUSALS: dict[str, Refusal] = {
+    # settings and the command line
+    "chexflow.settings.ConfigError": Refusal(2, _CONFIG),
+    "chexflow.profiles.ProfileError": Refusal(2, "fix the profile named (profiles/*/profile.yaml)"),
+    "chexflow.data.sources.UnknownSourceError": Refusal(2, "use one of the datasets listed"),
+    "chexflow.data.sources.NoURLError": Refusal(2, "set datasets.<name>.mirror to where the file is"),
+    "chexflow.data.sources.RegistryOverrideError": Refusal(2, "fix the test registry file, or unset "
+                                                              "CHEXFLOW_TEST_REGISTRY"),
+    "chexflow.data.phantoms.release.ReleaseError": Refusal(2, "fix the demo release's settings"),
+    # model and checkpoint files
+    "chexflow.train.checkpoint.RefusedFile": Refusal(6, _REWRITE),
+    "chexflow.train.trainer.ResumeError": Refusal(6, "resume with the settings the checkpoint was written with, "
+                                                     "or delete the run's checkpoints to start afresh"),
+    "chexflow.train.models.ModelError": Refusal(6, "use weights of the model.arch configured"),
+    # input data
+    "chexflow.data.loader.ManifestError": Refusal(7, _REWRITE),
+    "chexflow.data.loader.ShardReadError": Refusal(7, _REWRITE),
+    "chexflow.data.dataset.ShardError": Refusal(7, _DATA),
+    "chexflow.data.archives.ArchiveError": Refusal(7, _REWRITE),
+    "chexflow.data.nih.NIHError": Refusal(7, _DATA),
+    "chexflow.data.fashion_mnist.IdxError": Refusal(7, _REWRITE),
+    "chexflow.data.imagenet.ImageNetError": Refusal(7, _DATA),
+    "chexflow.data.images.DecodeError": Refusal(7, "replace the image named"),
+    "chexflow.data.voi_lut.UnsupportedVOILUT": Refusal(7, "export the image without its VOI LUT, or with a window"),
+    "chexflow.evaluate.subgroups.SubgroupError": Refusal(7, _DATA),
+    "chexflow.predict.model.PredictInputError": Refusal(7, "pass the manifest and metrics.json the model was "
+                                                           "evaluated with"),
+    "chexflow.predict.files.NoInputsError": Refusal(7, "name existing image files, folders or .txt lists"),
+    "chexflow.report.render.ReportInputError": Refusal(7, _REWRITE),
+    "chexflow.studies.scaling.ScalingError": Refusal(7, _REWRITE),
+    # downloads
+    "chexflow.data.download.DownloadError": Refusal(8, "check the mirror or the network, then run snakemake again "
+                                                       "(a partial download resumes)"),
+    "chexflow.data.download.NotFoundError": Refusal(8, "put the file in the mirror, datasets.<name>.mirror, or "
+                                                       "fix the mirror's address"),
+    "chexflow.data.download.TruncatedDownload": Refusal(8, "run snakemake again: the download resumes"),
+    "chexflow.data.download.ChecksumMismatch": Refusal(9, "the mirror's copy is not the published file: "
+                                                          "replace it there"),
+    "chexflow.data.download.InsufficientSpace": Refusal(10, "free space there, or point data/ elsewhere"),
+    # the machine
+    "builtins.OSError": Refusal(11, "check the path and its permissions"),
+    "chexflow.train.checkpoint.WriteError": Refusal(11, "free space or fix the directory, then run snakemake "
+                                                        "again: training resumes"),
+    "chexflow.predict.export.ExportMismatchError": Refusal(12, "report it with the model file and the versions "
+                                                               "of torch and onnxruntime"),
+    "chexflow.train.backends.base.DistributedError": Refusal(13, "start the ranks with chexflow launch or srun, "
+                                                                 "or set training.backend"),
+    "chexflow.install.horovod.InstallError": Refusal(14, "see its build log"),
+    "chexflow.install.slurm_plugin.PatchError": Refusal(14, "install the plugin version named"),
+    # the trainer's own verdicts (chexflow.train.run turns them into these exits before they get here)
+    "chexflow.train.trainer.NoValidEpoch": Refusal(4, "see docs/training.md, how a training job ends"),
+    "chexflow.train.lease.LeaseHeld": Refusal(5, "wait for the trainer named, or stop it"),
+}
+
+
+def refusal_of(exc: BaseException | type) -> Refusal | None:
+    """The entry of ``exc``'s class (or of that class) or its nearest listed base; None: not a
+    refusal (a bug)."""
+    for cls in (exc if isinstance(exc, type) else type(exc)).__mro__:
+        found = REFUSALS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if found is not None:
+            return found
+    return None
+
+
+def debug_requested(flag: bool = False) -> bool:
+    """``--debug``, or ``CHEXFLOW_DEBUG`` set to anything but empty or 0."""
+    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def refusal_lines(command: str, exc: BaseException, refusal: Refusal) -> list[str]:
+    """``chexflow <command>: <message> (<what to do>)``: one line, or one per problem of a
+    configuration error."""
+    todo = f" ({refusal.todo})" if refusal.todo else ""
+    problems = getattr(exc, "problems", None)
+    messages = [str(p) for p in problems] if isinstance(problems, list) and problems else [message(exc)]
+    return [f"chexflow {command}: {_one_line(m)}{todo}" for m in messages]
+
+
+def message(exc: BaseException) -> str:
+    """What ``exc`` says, without Python's decorations: ``<file>: <reason>`` for an OS error, the
+    text of a KeyError without quotes, the original message of an exception that torch's
+    DataLoader re-raised from a worker (not the worker's traceback)."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    if isinstance(exc, KeyError) and len(exc.args) == 1:
+        return str(exc.args[0])
+    text = str(exc)
+    if "Original Traceback (most recent call last):" in text:
+        cls = type(exc)
+        text = text.rsplit(f"{cls.__module__}.{cls.__qualname__}: ", 1)[-1]
+    return text
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
