@@ -56,7 +56,7 @@ _DATA = "fix or replace the file named, then run snakemake again"
 REFUSALS: dict[str, Refusal] = {
     # settings and the command line
     "chexflow.settings.ConfigError": Refusal(2, _CONFIG),
-    "chexflow.profiles.ProfileError": Refusal(2, "fix the profile named (profiles/*/profile.yaml)"),
+    "chexflow.profiles.ProfileError": Refusal(2, "fix the profile named, profiles/*/profile.yaml"),
     "chexflow.data.sources.UnknownSourceError": Refusal(2, "use one of the datasets listed"),
     "chexflow.data.sources.NoURLError": Refusal(2, "set datasets.<name>.mirror to where the file is"),
     "chexflow.data.sources.RegistryOverrideError": Refusal(2, "fix the test registry file, or unset "
@@ -84,8 +84,8 @@ REFUSALS: dict[str, Refusal] = {
     "chexflow.report.render.ReportInputError": Refusal(7, _REWRITE),
     "chexflow.studies.scaling.ScalingError": Refusal(7, _REWRITE),
     # downloads
-    "chexflow.data.download.DownloadError": Refusal(8, "check the mirror or the network, then run snakemake again "
-                                                       "(a partial download resumes)"),
+    "chexflow.data.download.DownloadError": Refusal(8, "check the mirror or the network, then run snakemake again: "
+                                                       "a partial download resumes"),
     "chexflow.data.download.NotFoundError": Refusal(8, "put the file in the mirror, datasets.<name>.mirror, or "
                                                        "fix the mirror's address"),
     "chexflow.data.download.TruncatedDownload": Refusal(8, "run snakemake again: the download resumes"),
