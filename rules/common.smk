@@ -347,8 +347,9 @@ def kept_files():
     `--forcerun` leaves exactly that) would never run again. As targets, a missing one is made again,
     and what depends on it after it; downloads (data/raw) only when a job that reads them runs."""
     parts = dataset_part_manifests(PRETRAIN_DATASET) + dataset_part_manifests(FINETUNE_DATASET)
-    studies = (scaling_points() if study_enabled("scaling") else []) + (sweep_results() if study_enabled("sweep") else [])
-    return [path for _, path in _leaves(report_input_tree())] + parts + studies
+    scaling = scaling_points() if study_enabled("scaling") else []
+    sweep = sweep_results() if study_enabled("sweep") else []
+    return [path for _, path in _leaves(report_input_tree())] + parts + scaling + sweep
 
 
 # ------------------------------------------------------------------ before anything is submitted

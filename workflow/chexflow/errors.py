@@ -1,8 +1,9 @@
 """How a chexflow command refuses: one line on stderr and a documented exit code.
 
 Every exception class chexflow raises for a problem with what it was given (a setting, a file, a
-download, the machine) is in :data:`REFUSALS`, by its dotted name, with its exit code and what to
-do; a subclass that is not listed takes its nearest listed base's entry. ``chexflow <command>``
+download, the machine) is in :data:`REFUSALS`, by its name (the package's class names are unique:
+a test checks), with its exit code and what to do; a subclass that is not listed takes its nearest
+listed base's entry. ``chexflow <command>``
 (``chexflow.cli.main``) turns one into
 
     chexflow <command>: <file>: <what is wrong> (<what to do>)
@@ -45,7 +46,6 @@ CODES: dict[int, str] = {
     11: "a file could not be read or written (the operating system's reason)",
     12: "an exported model disagrees with torch",
     13: "the ranks' launch environment does not fit the training backend",
-    14: "the installer cannot go on",
     143: "training was preempted (SIGTERM): a checkpoint is written",
 }
 
@@ -55,66 +55,57 @@ _DATA = "fix or replace the file named, then run snakemake again"
 
 REFUSALS: dict[str, Refusal] = {
     # settings and the command line
-    "chexflow.settings.ConfigError": Refusal(2, _CONFIG),
-    "chexflow.profiles.ProfileError": Refusal(2, "fix the profile named, profiles/*/profile.yaml"),
-    "chexflow.data.sources.UnknownSourceError": Refusal(2, "use one of the datasets listed"),
-    "chexflow.data.sources.NoURLError": Refusal(2, "set datasets.<name>.mirror to where the file is"),
-    "chexflow.data.sources.RegistryOverrideError": Refusal(2, "fix the test registry file, or unset "
-                                                              "CHEXFLOW_TEST_REGISTRY"),
-    "chexflow.data.phantoms.release.ReleaseError": Refusal(2, "fix the demo release's settings"),
+    "ConfigError": Refusal(2, _CONFIG),
+    "ProfileError": Refusal(2, "fix the profile named, profiles/*/profile.yaml"),
+    "UnknownSourceError": Refusal(2, "use one of the datasets listed"),
+    "NoURLError": Refusal(2, "set datasets.<name>.mirror to where the file is"),
+    "RegistryOverrideError": Refusal(2, "fix the test registry file, or unset CHEXFLOW_TEST_REGISTRY"),
+    "ReleaseError": Refusal(2, "fix the demo release's settings"),
     # model and checkpoint files
-    "chexflow.train.checkpoint.RefusedFile": Refusal(6, _REWRITE),
-    "chexflow.train.trainer.ResumeError": Refusal(6, "resume with the settings the checkpoint was written with, "
-                                                     "or delete the run's checkpoints to start afresh"),
-    "chexflow.train.models.ModelError": Refusal(6, "use weights of the model.arch configured"),
+    "RefusedFile": Refusal(6, _REWRITE),
+    "ResumeError": Refusal(6, "resume with the settings the checkpoint was written with, or delete the run's "
+                              "checkpoints to start afresh"),
+    "ModelError": Refusal(6, "use weights of the model.arch configured"),
     # input data
-    "chexflow.data.loader.ManifestError": Refusal(7, _REWRITE),
-    "chexflow.data.loader.ShardReadError": Refusal(7, _REWRITE),
-    "chexflow.data.dataset.ShardError": Refusal(7, _DATA),
-    "chexflow.data.archives.ArchiveError": Refusal(7, _REWRITE),
-    "chexflow.data.nih.NIHError": Refusal(7, _DATA),
-    "chexflow.data.fashion_mnist.IdxError": Refusal(7, _REWRITE),
-    "chexflow.data.imagenet.ImageNetError": Refusal(7, _DATA),
-    "chexflow.data.images.DecodeError": Refusal(7, "replace the image named"),
-    "chexflow.data.voi_lut.UnsupportedVOILUT": Refusal(7, "export the image without its VOI LUT, or with a window"),
-    "chexflow.evaluate.subgroups.SubgroupError": Refusal(7, _DATA),
-    "chexflow.predict.model.PredictInputError": Refusal(7, "pass the manifest and metrics.json the model was "
-                                                           "evaluated with"),
-    "chexflow.predict.files.NoInputsError": Refusal(7, "name existing image files, folders or .txt lists"),
-    "chexflow.report.render.ReportInputError": Refusal(7, _REWRITE),
-    "chexflow.studies.scaling.ScalingError": Refusal(7, _REWRITE),
+    "ManifestError": Refusal(7, _REWRITE),
+    "ShardReadError": Refusal(7, _REWRITE),
+    "ShardError": Refusal(7, _DATA),
+    "ArchiveError": Refusal(7, _REWRITE),
+    "NIHError": Refusal(7, _DATA),
+    "IdxError": Refusal(7, _REWRITE),
+    "ImageNetError": Refusal(7, _DATA),
+    "DecodeError": Refusal(7, "replace the image named"),
+    "UnsupportedVOILUT": Refusal(7, "export the image without its VOI LUT, or with a window"),
+    "SubgroupError": Refusal(7, _DATA),
+    "PredictInputError": Refusal(7, "pass the manifest and metrics.json the model was evaluated with"),
+    "NoInputsError": Refusal(7, "name existing image files, folders or .txt lists"),
+    "ReportInputError": Refusal(7, _REWRITE),
+    "ScalingError": Refusal(7, _REWRITE),
     # downloads
-    "chexflow.data.download.DownloadError": Refusal(8, "check the mirror or the network, then run snakemake again: "
-                                                       "a partial download resumes"),
-    "chexflow.data.download.NotFoundError": Refusal(8, "put the file in the mirror, datasets.<name>.mirror, or "
-                                                       "fix the mirror's address"),
-    "chexflow.data.download.TruncatedDownload": Refusal(8, "run snakemake again: the download resumes"),
-    "chexflow.data.download.ChecksumMismatch": Refusal(9, "the mirror's copy is not the published file: "
-                                                          "replace it there"),
-    "chexflow.data.download.InsufficientSpace": Refusal(10, "free space there, or point data/ elsewhere"),
+    "DownloadError": Refusal(8, "check the mirror or the network, then run snakemake again: a partial download "
+                                "resumes"),
+    "NotFoundError": Refusal(8, "put the file in the mirror, datasets.<name>.mirror, or fix the mirror's address"),
+    "TruncatedDownload": Refusal(8, "run snakemake again: the download resumes"),
+    "ChecksumMismatch": Refusal(9, "the mirror's copy is not the published file: replace it there"),
+    "InsufficientSpace": Refusal(10, "free space there, or point data/ elsewhere"),
     # the machine
-    "builtins.OSError": Refusal(11, "check the path and its permissions"),
-    "chexflow.train.checkpoint.WriteError": Refusal(11, "free space or fix the directory, then run snakemake "
-                                                        "again: training resumes"),
-    "chexflow.predict.export.ExportMismatchError": Refusal(12, "report it with the model file and the versions "
-                                                               "of torch and onnxruntime"),
-    "chexflow.train.backends.base.DistributedError": Refusal(13, "start the ranks with chexflow launch or srun, "
-                                                                 "or set training.backend"),
-    "chexflow.install.horovod.InstallError": Refusal(14, "see its build log"),
-    "chexflow.install.slurm_plugin.PatchError": Refusal(14, "install the plugin version named"),
+    "OSError": Refusal(11, "check the path and its permissions"),
+    "WriteError": Refusal(11, "free space or fix the directory, then run snakemake again: training resumes"),
+    "ExportMismatchError": Refusal(12, "report it with the model file and the versions of torch and onnxruntime"),
+    "DistributedError": Refusal(13, "start the ranks with chexflow launch or srun, or set training.backend"),
     # the trainer's own verdicts (chexflow.train.run turns them into these exits before they get here)
-    "chexflow.train.trainer.NoValidEpoch": Refusal(4, "see docs/training.md, how a training job ends"),
-    "chexflow.train.lease.LeaseHeld": Refusal(5, "wait for the trainer named, or stop it"),
+    "NoValidEpoch": Refusal(4, "see docs/training.md, how a training job ends"),
+    "LeaseHeld": Refusal(5, "wait for the trainer named, or stop it"),
 }
 
 
 def refusal_of(exc: BaseException | type) -> Refusal | None:
-    """The entry of ``exc``'s class (or of that class) or its nearest listed base; None: not a
-    refusal (a bug)."""
+    """The entry of ``exc``'s class (or of that class) or of its nearest listed base, a class of the
+    package or Python's own; None: not a refusal (a bug)."""
     for cls in (exc if isinstance(exc, type) else type(exc)).__mro__:
-        found = REFUSALS.get(f"{cls.__module__}.{cls.__qualname__}")
-        if found is not None:
-            return found
+        ours = cls.__module__ == "builtins" or cls.__module__.startswith("chexflow.")
+        if ours and cls.__name__ in REFUSALS:
+            return REFUSALS[cls.__name__]
     return None
 
 
