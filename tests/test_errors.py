@@ -21,7 +21,7 @@ from chexflow import cli, errors
 from chexflow.data import nih, registry
 from chexflow.data.images import DecodeError
 from chexflow.settings import ConfigError
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, requires_horovod
 
 TODO = {name: r.todo for name, r in errors.REFUSALS.items()}
 
@@ -273,6 +273,27 @@ def test_a_bug_keeps_its_traceback_and_exit_status_1(tmp_path):
 def test_a_command_line_mistake_is_argparses_status_2():
     proc = chexflow_cli("evaluate", "--manifest", "m.json")
     assert proc.returncode == 2 and "the following arguments are required: --model, --out-dir" in proc.stderr
+
+
+RANK_REFUSES = ("import sys\nfrom chexflow import cli\nfrom chexflow.data.nih import NIHError\n"
+                "def boom(args): raise NIHError(\"data/raw/x.csv: line 3 (Image Index a.png): unknown finding(s)\")\n"
+                "cli.cmd_keep_log = boom\ncli.main(['keep-log', 'x.log'])\n")
+RANK_EXITS_3 = "import sys\nfrom chexflow import cli\ncli.cmd_keep_log = lambda args: sys.exit(3)\ncli.main(['keep-log', 'x'])\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["single", "ddp", pytest.param("horovod", marks=requires_horovod)])
+def test_chexflow_launch_exits_with_its_ranks_status_and_ends_with_the_refusal(backend):
+    """horovodrun and torchrun exit 1 whatever their ranks did (and print their own traceback): the
+    rule's `chexflow launch` exits with the rank's status, and the job's log ends with its line."""
+    ranks = "1" if backend == "single" else "2"
+    proc = chexflow_cli("launch", "-n", ranks, "--backend", backend, sys.executable, "-c", RANK_REFUSES)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    expected = "chexflow keep-log: data/raw/x.csv: line 3 (Image Index a.png): unknown finding(s)" + todo("NIHError")
+    assert proc.stderr.rstrip("\n").split("\n")[-1] == expected
+    assert (backend != "single") == (proc.stderr.count(expected) > 1)      # repeated after the launcher's output
+    trainer = chexflow_cli("launch", "-n", ranks, "--backend", backend, sys.executable, "-c", RANK_EXITS_3)
+    assert trainer.returncode == 3, trainer.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+    except SystemExit as exc:   # a command's own status (the trainer's 3, 4, 5, 143): kept for chexflow launch
+        errors.record_exit(exc.code)
+        raise
     except Exception as exc:  # noqa: BLE001 - sorted below: a refusal gets its line, anything else its traceback
         _refuse(args.stage, exc, debug=errors.debug_requested(args.debug))
 
@@ -380,8 +383,9 @@ def _refuse(command: str, exc: Exception, *, debug: bool) -> NoReturn:
         raise exc
     if debug:
         traceback.print_exception(exc)
-    for line in errors.refusal_lines(command, exc, refusal):
-        print(line, file=sys.stderr)
+    lines = errors.refusal_lines(command, exc, refusal)
+    print("\n".join(lines), file=sys.stderr)
+    errors.record_exit(refusal.code, lines)
     sys.exit(refusal.code)
 
 

@@ -18,10 +18,17 @@ with the package's exception classes and the trainer's own exit codes.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from chexflow.fsutil import write_text_atomic
 
 DEBUG_ENV = "CHEXFLOW_DEBUG"
+# set by `chexflow launch` for its ranks: a folder where each rank's chexflow leaves its exit status
+# and refusal, since horovodrun and torchrun exit 1 whatever their ranks exited with
+RANK_STATUS_ENV = "CHEXFLOW_RANK_STATUS_DIR"
 
 
 @dataclass(frozen=True)
@@ -140,3 +147,28 @@ def message(exc: BaseException) -> str:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def record_exit(code: object, lines: list[str] | None = None) -> None:
+    """Under ``chexflow launch`` (RANK_STATUS_ENV set): leave this process's non-zero exit status and
+    refusal lines for the launcher, one file per process; elsewhere nothing."""
+    where = os.environ.get(RANK_STATUS_ENV)
+    if not where or not isinstance(code, int) or code == 0:
+        return
+    try:
+        write_text_atomic(Path(where) / f"{os.getpid()}.json", json.dumps({"code": code, "lines": lines or []}))
+    except OSError:
+        pass        # the launcher's own status then stands
+
+
+def first_recorded_exit(where: Path | str) -> tuple[int, list[str]] | None:
+    """The exit status and refusal lines of the first rank that recorded one in ``where``."""
+    found = []
+    for entry in os.scandir(where):
+        if entry.name.endswith(".json") and entry.is_file(follow_symlinks=False):
+            try:
+                record = json.loads(Path(entry.path).read_text()[:65536])
+                found.append((entry.stat().st_mtime_ns, int(record["code"]), [str(x) for x in record["lines"]]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return min(found)[1:] if found else None
