@@ -341,8 +341,8 @@ def report_inputs_json(wildcards):
 
 # ------------------------------------------------------------------ what a plain `snakemake` makes again
 def kept_files():
-    """`rule all`'s other inputs: the report's inputs, the shards' part manifests, the sweep's trials
-    and the scaling points. Snakemake leaves a missing file alone while what was made from it is up
+    """What the target `all` lists besides the report: the report's inputs, the shards' part
+    manifests, the sweep's trials and the scaling points. Snakemake leaves a missing file alone while what was made from it is up
     to date (snakemake/snakemake#1978): a job that failed (its outputs are deleted; a failed
     `--forcerun` leaves exactly that) would never run again. As targets, a missing one is made again,
     and what depends on it after it; downloads (data/raw) only when a job that reads them runs."""
