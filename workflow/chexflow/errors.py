@@ -37,14 +37,11 @@ class Refusal:
     todo: str       # what to do, shown in parentheses after the message
 
 
-# exit status -> what it means (docs/errors.md has the same table; 3, 4, 5 and 143 are the
-# trainer's, chexflow.train.trainer / chexflow.train.lease, and keep their numbers)
+# exit status -> what it means (docs/errors.md has the same table). 3, 4, 5 and 143 are training's
+# own ends, owned by chexflow.train.trainer and chexflow.train.lease (docs/training.md)
 CODES: dict[int, str] = {
     1: "an unexpected error (a bug): the traceback is printed",
     2: "a setting or a command-line argument is wrong",
-    3: "training diverged",
-    4: "training validated no epoch",
-    5: "the checkpoint directory is held by another trainer",
     6: "a model or checkpoint file is refused",
     7: "input data is refused: a manifest, shard, archive, label table, image or study record",
     8: "a download failed, or the mirror lacks the file",
@@ -53,8 +50,10 @@ CODES: dict[int, str] = {
     11: "a file could not be read or written (the operating system's reason)",
     12: "an exported model disagrees with torch",
     13: "the ranks' launch environment does not fit the training backend",
-    143: "training was preempted (SIGTERM): a checkpoint is written",
 }
+# the trainer's verdicts: chexflow.train turns them into its own exit statuses (no valid epoch, the
+# checkpoint directory held) before they could reach a command's end; one that did would be a bug
+TRAINER_VERDICTS = ("NoValidEpoch", "LeaseHeld")
 
 _CONFIG = "fix the setting named: config.yaml's comments say what is allowed"
 _REWRITE = "snakemake writes it again: delete it, if present, and run snakemake"
@@ -100,9 +99,6 @@ REFUSALS: dict[str, Refusal] = {
     "WriteError": Refusal(11, "free space or fix the directory, then run snakemake again: training resumes"),
     "ExportMismatchError": Refusal(12, "report it with the model file and the versions of torch and onnxruntime"),
     "DistributedError": Refusal(13, "start the ranks with chexflow launch or srun, or set training.backend"),
-    # the trainer's own verdicts (chexflow.train.run turns them into these exits before they get here)
-    "NoValidEpoch": Refusal(4, "see docs/training.md, how a training job ends"),
-    "LeaseHeld": Refusal(5, "wait for the trainer named, or stop it"),
 }
 
 
