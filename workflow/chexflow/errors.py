@@ -3,18 +3,18 @@
 Every exception class chexflow raises for a problem with what it was given (a setting, a file, a
 download, the machine) is in :data:`REFUSALS`, by its name (the package's class names are unique:
 a test checks), with its exit code and what to do; a subclass that is not listed takes its nearest
-listed base's entry. ``chexflow <command>``
-(``chexflow.cli.main``) turns one into
+listed base's entry. ``chexflow <command>`` (``chexflow.cli.main``) turns one into
 
     chexflow <command>: <file>: <what is wrong> (<what to do>)
 
 (the message names the file and the problem; a configuration error gives one such line per
 problem) and exits with the code. The traceback comes too only with ``chexflow --debug`` or
-``CHEXFLOW_DEBUG=1``. Any other exception is a bug: its traceback, exit status 1.
+``CHEXFLOW_DEBUG=1``. Any other exception is a bug: its traceback, exit status 1. Under ``chexflow
+launch`` each rank also leaves its status for the launch to exit with (:func:`record_exit`).
 
 The table holds names, not classes: nothing is imported to build it (the command line stays fast)
 and it sits at the bottom of the layers. docs/errors.md lists the codes; tests keep both in step
-with the package's exception classes and the trainer's own exit codes.
+with the package's exception classes.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def first_recorded_exit(where: Path | str) -> tuple[int, list[str]] | None:
     for entry in os.scandir(where):
         if entry.name.endswith(".json") and entry.is_file(follow_symlinks=False):
             try:
-                record = json.loads(Path(entry.path).read_text()[:65536])
+                record = json.loads(Path(entry.path).read_text())
                 found.append((entry.stat().st_mtime_ns, int(record["code"]), [str(x) for x in record["lines"]]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
