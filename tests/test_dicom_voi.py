@@ -156,3 +156,15 @@ def test_voi_lut_item_without_its_data_is_refused(tmp_path):
     D.write(ds, path)
     with pytest.raises(images.DecodeError, match=r"without LUT Descriptor \(0028,3002\) or LUT Data"):
         dicom.decode_dicom(path.read_bytes(), name="bad.dcm")
+
+
+def test_inputs_far_outside_the_table_take_its_ends_whatever_their_type():
+    """Integers of any width, floats far out of range (a hostile rescale), rounding of rescaled values;
+    a non-finite input is refused, not indexed."""
+    from chexflow.data.voi_lut import VOILUT, UnsupportedVOILUT
+    lut = VOILUT(65000, np.arange(10, 310, dtype=np.int64))
+    assert lut.apply(np.array([0, 65100, 65535], np.uint16)).tolist() == [10, 110, 309]
+    assert lut.apply(np.array([-32768, 32767], np.int16)).tolist() == [10, 10]
+    assert lut.apply(np.array([1e300, -1e300, 65100.4, 65100.6])).tolist() == [309, 10, 110, 111]
+    with pytest.raises(UnsupportedVOILUT, match="not finite"):
+        lut.apply(np.array([1.0, np.nan]))

@@ -37,9 +37,11 @@ class VOILUT:
     def apply(self, values: np.ndarray) -> np.ndarray:
         """The LUT's output for each input (integers; non-integer inputs are rounded to the nearest)."""
         lo, hi = self.first, self.first + len(self.table) - 1
-        x = np.clip(values, lo, hi)          # before any cast: a float far out of range stays in range
-        x = np.rint(x).astype(np.int64) if x.dtype.kind == "f" else x.astype(np.int64)
-        return self.table[x - lo]
+        if values.dtype.kind != "f":
+            return self.table[np.clip(values.astype(np.int64), lo, hi) - lo]
+        if not np.isfinite(values).all():
+            raise UnsupportedVOILUT("the VOI LUT's input (the rescaled pixels) holds values that are not finite")
+        return self.table[np.rint(np.clip(values, lo, hi)).astype(np.int64) - lo]   # clipped before the cast
 
 
 def read_voi_lut(ds, index: int = 0) -> VOILUT:
