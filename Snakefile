@@ -47,3 +47,4 @@ rule all:
     input:
         "results/report/chexflow_report.html",
         study_targets(),  # scaling / sweep / ablation / predict / export outputs, when enabled in config.yaml
+        kept_files(),  # what they are made from: a missing one (a failed job's) is made again

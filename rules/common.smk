@@ -103,8 +103,12 @@ def part_inputs(wildcards):
 
 
 def part_manifests(wildcards):
-    parts = _registry.get(wildcards.dataset).parts(STUDY.shards[wildcards.dataset], n_demo_archives(wildcards.dataset))
-    return [f"data/shards/{wildcards.dataset}/parts/{p}/manifest.json" for p in parts]
+    return dataset_part_manifests(wildcards.dataset)
+
+
+def dataset_part_manifests(dataset):
+    parts = _registry.get(dataset).parts(STUDY.shards[dataset], n_demo_archives(dataset))
+    return [f"data/shards/{dataset}/parts/{p}/manifest.json" for p in parts]
 
 
 def manifest(dataset):
@@ -333,6 +337,19 @@ def report_inputs(wildcards):
 
 def report_inputs_json(wildcards):
     return json.dumps(report_input_tree())
+
+
+# ------------------------------------------------------------------ what a plain `snakemake` makes again
+def kept_files():
+    """What the target `all` lists besides the report: the report's inputs, the shards' part
+    manifests, the sweep's trials and the scaling points. Snakemake leaves a missing file alone while what was made from it is up
+    to date (snakemake/snakemake#1978): a job that failed (its outputs are deleted; a failed
+    `--forcerun` leaves exactly that) would never run again. As targets, a missing one is made again,
+    and what depends on it after it; downloads (data/raw) only when a job that reads them runs."""
+    parts = dataset_part_manifests(PRETRAIN_DATASET) + dataset_part_manifests(FINETUNE_DATASET)
+    scaling = scaling_points() if study_enabled("scaling") else []
+    sweep = sweep_results() if study_enabled("sweep") else []
+    return [path for _, path in _leaves(report_input_tree())] + parts + scaling + sweep
 
 
 # ------------------------------------------------------------------ before anything is submitted

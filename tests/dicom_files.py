@@ -3,8 +3,9 @@
 
 Each writer takes the 8-bit grey image ``p`` that the PNG path would decode and stores it so that a
 correct reader gets ``p`` back exactly: as is, or as 12/16-bit values behind a rescale and a window
-(or a VOI LUT) that map them back, inverted for MONOCHROME1, compressed with RLE or JPEG 2000
-(JPEG baseline: lossy, the pixels Pillow decodes).
+(or a VOI LUT of 8- or 12-bit entries) that map them back, inverted for MONOCHROME1, compressed with
+RLE or JPEG 2000 (JPEG baseline: lossy, the pixels Pillow decodes). ``with_voi_lut`` writes any VOI
+LUT as given, for the tests that compute its output from the standard.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.encaps import encapsulate
 from pydicom.sequence import Sequence
 from pydicom.uid import (JPEG2000Lossless, JPEGBaseline8Bit, JPEGLosslessSV1, RLELossless,
-                         DigitalXRayImageStorageForPresentation, ExplicitVRLittleEndian, generate_uid)
+                         DigitalXRayImageStorageForPresentation, ExplicitVRBigEndian, ExplicitVRLittleEndian,
+                         generate_uid)
 
 
 def dataset(pixels: np.ndarray, *, bits: int = 8, photometric: str = "MONOCHROME2", modality: str = "DX",
@@ -80,6 +82,35 @@ def voi_lut(p: np.ndarray, path: Path, *, offset: int = 1000) -> Path:
     lut.LUTExplanation = "test LUT"
     ds.VOILUTSequence = Sequence([lut])
     ds.WindowCenter, ds.WindowWidth = 5.0, 3.0
+    return write(ds, path)
+
+
+def voi_lut_8bit(p: np.ndarray, path: Path, *, offset: int = 1000) -> Path:
+    """16-bit stored values ``4 p + offset`` behind an 8-bit VOI LUT of 1021 entries that maps them back
+    to ``p`` (more than 256 entries: pydicom 3.0.2's ``apply_voi`` wraps their indices at 256)."""
+    n = 4 * 255 + 1
+    stored = (4 * p.astype(np.uint16) + offset).astype(np.uint16)
+    return with_voi_lut(stored, path, descriptor=[n, offset, 8], data=[i // 4 for i in range(n)])
+
+
+def with_voi_lut(stored: np.ndarray, path: Path, *, descriptor: list[int], data, data_vr: str = "US",
+                 descriptor_vr: str | None = None, bits: int = 16, rescale: tuple[float, float] | None = None,
+                 photometric: str = "MONOCHROME2", syntax: str = ExplicitVRLittleEndian) -> Path:
+    """``stored`` (uint16 or int16: Pixel Representation 1) behind one VOI LUT exactly as given:
+    LUT Descriptor ``descriptor`` (VR ``descriptor_vr``, default SS for signed pixels, else US) and
+    LUT Data ``data`` (a list of values for US/SS, bytes for OW); ``rescale``: (slope, intercept);
+    ``syntax``: the transfer syntax written (implicit VR leaves the VRs to the reader, big endian
+    swaps the pixel bytes and OW words)."""
+    ds = dataset(stored, bits=bits, photometric=photometric)
+    if rescale is not None:
+        ds.RescaleSlope, ds.RescaleIntercept, ds.RescaleType = rescale[0], rescale[1], "US"
+    lut = Dataset()
+    lut.add_new(0x00283002, descriptor_vr or ("SS" if stored.dtype.kind == "i" else "US"), descriptor)
+    lut.add_new(0x00283006, data_vr, data)
+    ds.VOILUTSequence = Sequence([lut])
+    ds.file_meta.TransferSyntaxUID = syntax
+    if syntax == ExplicitVRBigEndian:
+        ds.PixelData = stored.astype(stored.dtype.newbyteorder(">")).tobytes()
     return write(ds, path)
 
 

@@ -152,6 +152,11 @@ BAD = [
     # shards
     ({"shards.nih_demo.image_size": 1}, r"shards\.nih_demo\.image_size: 1 is not in \[8, 4096\]"),
     ({"shards.nih_demo.val_fraction": 1.5}, r"shards\.nih_demo\.val_fraction: 1\.5 is not in \[0, 1\)"),
+    ({"shards.nih_demo.val_fraction": 0}, r"shards\.nih_demo\.val_fraction: 0 leaves finetune without a validation "
+                                          r"split \(training keeps the epoch that validates best, evaluation sets its "
+                                          r"thresholds on it\); give a fraction above 0"),
+    ({"study.pretrain_dataset": "fashion_mnist", "shards.fashion_mnist.val_fraction": 0.0},
+     r"shards\.fashion_mnist\.val_fraction: 0 leaves pretrain without a validation split"),
     ({"shards.nih.max_reject_fraction": -0.1}, r"shards\.nih\.max_reject_fraction: -0\.1 is not in \[0, 1\]"),
     ({"shards.imagenet.train_parts": 0}, r"shards\.imagenet\.train_parts: 0 is not in \[1, 1000\]"),
     ({"study.pretrain_dataset": "imagenet", "shards.imagenet.val_fraction": 0.1},
@@ -327,16 +332,19 @@ def test_the_schema_refuses_what_the_ranges_refuse():
 def test_a_snakemake_dry_run_lists_every_bad_value_before_any_job(tmp_path):
     cfg = default()
     for dotted, value in {"training.checkpoint.keep": 0, "pretrain.optim.lr": -0.1, "finetune.freeze": 9,
-                          "shards.nih_demo.image_size": 2, "evaluate.crop": 32}.items():
+                          "shards.nih_demo.image_size": 2, "evaluate.crop": 32,
+                          "shards.nih_demo_pretrain.val_fraction": 0, "shards.nih_demo.val_fraction": 0}.items():
         _set(cfg, dotted, value)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(tmp_path, "-n", "--configfile", str(tmp_path / "config.yaml"))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "5 problems:" in out and "Job stats" not in out
+    assert "7 problems:" in out and "Job stats" not in out
     for expected in ("training.checkpoint.keep: 0 is not >= 1", "pretrain.optim.lr: -0.1 is not > 0",
                      "finetune.freeze: 9 is not in 0..6", "shards.nih_demo.image_size: 2 is not in [8, 4096]",
-                     "evaluate.crop: unknown key"):
+                     "evaluate.crop: unknown key",
+                     "shards.nih_demo_pretrain.val_fraction: 0 leaves pretrain without a validation split",
+                     "shards.nih_demo.val_fraction: 0 leaves finetune without a validation split"):
         assert expected in out, out[-3000:]
 
 

@@ -27,6 +27,7 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+LAYERS["errors"] = 0        # the refusals' exit statuses (chexflow.errors): every layer's exceptions are named there
 
 
 def _resolve(name: str) -> str | None:

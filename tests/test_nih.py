@@ -65,13 +65,35 @@ def test_read_labels_errors(tmp_path):
     with pytest.raises(nih.NIHError, match=r"bad\.csv.*missing column.*Finding Labels.*Patient ID"):
         nih.read_labels(bad)
     unknown = _csv(tmp_path, [("a.png", "Covid", "1")], "unknown.csv")
-    with pytest.raises(nih.NIHError, match=r"unknown\.csv.*unknown finding label.*Covid"):
+    with pytest.raises(nih.NIHError, match=r"unknown\.csv: line 2 \(Image Index a\.png\): unknown finding\(s\) \['Covid'\]"):
         nih.read_labels(unknown)
     dup = _csv(tmp_path, [("a.png", "Hernia", "1"), ("a.png", "Mass", "1")], "dup.csv")
     with pytest.raises(nih.NIHError, match="dup.csv.*duplicate"):
         nih.read_labels(dup)
     with pytest.raises(FileNotFoundError, match="nope.csv"):
         nih.read_labels(tmp_path / "nope.csv")
+
+
+@pytest.mark.parametrize("name", ["labels.csv", "labels.csv.gz"])
+def test_a_bad_finding_is_named_by_its_line_and_image(tmp_path, name):
+    """The line counts as a text editor does: past a blank line and a quoted field over two lines."""
+    rows = [("00000001_000.png", "Hernia", "1"), ("00000002_000.png", "Mass", "2"),
+            ("00000003_000.png", "Effusion|Covid", "3"), ("00000004_000.png", "Covid", "4")]
+    text = _csv(tmp_path, rows).read_text().splitlines(keepends=True)
+    text[1] = text[1].replace(",M,PA,", ',"M\nF",PA,')     # the first row spans lines 2-3
+    text.insert(3, "\n")                                   # a blank line 5: the third row is on line 6
+    path = tmp_path / name
+    data = "".join(text).encode()
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    assert data.decode().splitlines()[5].startswith("00000003_000.png,")
+    with pytest.raises(nih.NIHError) as exc:
+        nih.read_labels(path)
+    assert str(exc.value).startswith(f"{path}: line 6 (Image Index 00000003_000.png): unknown finding(s) ['Covid'] "
+                                     "(and 1 more row(s) like it); known: ['Atelectasis'")
+    data = data.replace(b"Effusion|Covid", b"Effusion").replace(b",Covid,", b",,")
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    with pytest.raises(nih.NIHError, match=r"line 7 \(Image Index 00000004_000\.png\): empty 'Finding Labels';"):
+        nih.read_labels(path)
 
 
 def test_real_label_csv_from_torchxrayvision():

@@ -52,9 +52,10 @@ def pixels(seed: int = 0, shape=(40, 56)) -> np.ndarray:
 # --------------------------------------------------------------------------- DICOM decoding alone
 
 @pytest.mark.parametrize("write", [
-    D.plain, D.deep_windowed, D.voi_lut, D.rle, D.jpeg2000,
+    D.plain, D.deep_windowed, D.voi_lut, D.voi_lut_8bit, D.rle, D.jpeg2000,
     lambda p, path: D.deep_windowed(p, path, monochrome1=False, function="LINEAR_EXACT", slope=2.0, intercept=100.0)],
-    ids=["8bit", "12bit-rescale-window-monochrome1", "16bit-voi-lut", "rle", "jpeg2000", "linear-exact"])
+    ids=["8bit", "12bit-rescale-window-monochrome1", "16bit-voi-lut", "8bit-voi-lut-1021-entries", "rle", "jpeg2000",
+         "linear-exact"])
 def test_dicom_gives_back_the_pixels_it_was_made_from(write, tmp_path):
     p = pixels()
     out = dicom.decode_dicom(write(p, tmp_path / "x.dcm").read_bytes(), name="x.dcm")
@@ -219,14 +220,14 @@ def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 DICOM_WRITERS = {"plain.dcm": D.plain, "mono1-window.dcm": D.deep_windowed, "voi-lut.dcm": D.voi_lut,
-                 "rle.dcm": D.rle, "j2k.dcm": D.jpeg2000}
+                 "voi-lut-8bit.dcm": D.voi_lut_8bit, "rle.dcm": D.rle, "j2k.dcm": D.jpeg2000}
 
 
 @pytest.mark.slow
 def test_predict_cli_on_dicom_and_jpeg_made_from_the_same_pixels(study, tmp_path):
     """DICOM files of the test images' pixels (8-bit; 12-bit behind a rescale and a MONOCHROME1 window;
-    16-bit behind a VOI LUT; RLE; JPEG 2000), some without a suffix in a PACS-like tree: evaluation's
-    probabilities. JPEGs: the probabilities of a PNG holding the pixels Pillow decodes from them."""
+    16-bit behind a VOI LUT of 12-bit entries and one of 1021 8-bit entries; RLE; JPEG 2000), some
+    without a suffix in a PACS-like tree: evaluation's probabilities. JPEGs: the probabilities of a PNG holding the pixels Pillow decodes from them."""
     names = sorted(study.scores)[:6]
     pacs, jpegs = tmp_path / "pacs", tmp_path / "jpeg"
     for k, name in enumerate(names):
@@ -287,6 +288,7 @@ def test_unreadable_files_get_a_reason_and_the_others_go_on(study, tmp_path):
     D.plain(p, folder / "mr.dcm", modality="MR")
     D.no_pixels(folder / "sr.dcm")
     D.jpeg_lossless_undecodable(p, folder / "ljpeg.dcm")
+    D.with_voi_lut(p.astype(np.uint16), folder / "badlut.dcm", descriptor=[256, 0, 8], data=list(range(200)))
     (folder / "notdicom.dcm").write_text("plain text")
     (folder / ".hidden.png").write_bytes(good)               # skipped, as are AppleDouble files and DICOMDIR
     (folder / "._mr.dcm").write_bytes(b"\0" * 10)
@@ -297,11 +299,13 @@ def test_unreadable_files_get_a_reason_and_the_others_go_on(study, tmp_path):
                         out_csv=tmp_path / "p.csv", inputs=[folder, tmp_path / "list.txt"], progress=False)
     errors = dict(zip(table["file"].map(lambda f: Path(f).name), table["error"]))
     assert sorted(errors) == sorted([*names, "cut.png", "notes.png", "empty.jpg", "huge.png", "multi.dcm",
-                                     "colour.dcm", "mr.dcm", "sr.dcm", "ljpeg.dcm", "notdicom.dcm", "missing.png"])
+                                     "colour.dcm", "mr.dcm", "sr.dcm", "ljpeg.dcm", "badlut.dcm", "notdicom.dcm",
+                                     "missing.png"])
     expected = {"cut.png": "truncated|broken|image file is|incomplete", "notes.png": "not a PNG or JPEG file",
                 "empty.jpg": "not a PNG or JPEG file", "huge.png": r"1\.5 MB, above predict\.max_file_mb \(1 MB\)",
                 "multi.dcm": r"multi-frame \(3 frames\)", "colour.dcm": "colour or not grey", "mr.dcm": "modality MR",
                 "sr.dcm": "no pixel data", "ljpeg.dcm": "transfer syntax JPEG Lossless.*(gdcm|pylibjpeg)",
+                "badlut.dcm": r"UnsupportedVOILUT: LUT Data \(0028,3006\) holds 200 values; its descriptor says 256",
                 "notdicom.dcm": "not a readable DICOM", "missing.png": "cannot read the file .No such file"}
     for fname, pattern in expected.items():
         assert re.search(pattern, errors[fname]), (fname, errors[fname])

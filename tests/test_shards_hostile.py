@@ -95,7 +95,7 @@ def test_same_name_in_two_archives_is_an_error_at_the_gather(tmp_path, demo_mani
 
 # --------------------------------------------------------------------------- incomplete and oversize images
 
-def test_incomplete_images_are_rejects_with_their_reason(tmp_path, demo_manifest):
+def test_incomplete_images_are_rejects_with_their_reason(tmp_path, demo_manifest, capsys):
     members = _members(demo_manifest, 1)
     name = [Path(m).name for m, _ in members]
     grey = np.random.default_rng(0).integers(0, 256, (40, 40), dtype=np.uint8)
@@ -109,7 +109,12 @@ def test_incomplete_images_are_rejects_with_their_reason(tmp_path, demo_manifest
     raw = _release(tmp_path, demo_manifest, {1: members})
     with pytest.raises(S.ShardError, match=r"5 of 80 images rejected"):
         _write_part(raw, demo_manifest, tmp_path / "strict", max_image_megapixels=4)
+    strict_log = capsys.readouterr().err
     m = _write_part(raw, demo_manifest, tmp_path / "out", max_reject_fraction=0.1, max_image_megapixels=4)
+    logged = [line for line in capsys.readouterr().err.splitlines() if "rejected" in line]
+    # the job's log names each reject with its member and reason, as the manifest lists them (also when it fails)
+    assert logged == [f"images_001: rejected {r['image']} ({r['origin']}) at decode: {r['reason']}" for r in m["rejects"]]
+    assert all(line in strict_log for line in logged)
     rejects = {r["image"]: r for r in m["rejects"]}
     assert list(rejects) == [name[i] for i in sorted(bad)]
     assert all(r["stage"] == "decode" and r["part"] == "images_001" for r in rejects.values())
@@ -215,6 +220,11 @@ def test_rejects_are_counted_once_when_a_killed_part_resumes(tmp_path, demo_mani
     assert m["rejects"] == clean["rejects"]
     assert [(s["file"], s["sha256"]) for s in m["shards"]] == [(s["file"], s["sha256"]) for s in clean["shards"]]
     assert f"{sum(s['count'] for s in m['shards'])} images, {len(clean['rejects'])} rejected" in resumed.stdout
+    # the resumed job's log names every reject, those its earlier attempt found as such
+    named = [line for line in resumed.stderr.splitlines() if ": rejected " in line]
+    assert [line.split(" rejected ", 1)[1].split(" ", 1)[0] for line in named] == [r["image"] for r in m["rejects"]]
+    assert any(" by an earlier attempt: " in line for line in named)
+    assert "images_001: rejected ../evil.png at read: " in resumed.stderr
 
 
 # --------------------------------------------------------------------------- a shard job's view of its source

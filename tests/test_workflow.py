@@ -190,3 +190,53 @@ def test_end_to_end_tiny(tmp_path):
     again = snakemake(tmp_path, "--configfile", str(cfgfile), *ranks)
     assert again.returncode == 0
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def _small_config() -> dict:
+    """The demo at its smallest: two archives of 120 images a release, one rank, a few steps."""
+    cfg = _chain_twice_config("single")
+    cfg["demo_release"].update(n_images=240, image_size=32, images_per_archive=120)
+    cfg["demo_pretrain_release"].update(n_images=240, image_size=32, images_per_archive=120)
+    for ds in ("nih_demo", "nih_demo_pretrain"):
+        cfg["shards"][ds].update(image_size=32, samples_per_shard=100)
+    for stage in ("pretrain", "finetune"):
+        cfg[stage]["data"]["crop"] = 32
+    cfg["pretrain"]["data"]["samples_per_epoch"] = 64
+    cfg["evaluate"]["bootstrap_resamples"] = 20
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_failed_forcerun_is_made_again_by_the_next_run(tmp_path):
+    """`snakemake --forcerun finetune_model` that fails deletes the job's outputs; Snakemake alone then
+    finds "Nothing to be done" (a missing file whose dependants are up to date is left alone). The
+    workflow lists what the report is made from as targets: the next plain run makes the model again,
+    then the evaluation and the report. The failed job's log ends with chexflow's one-line refusal."""
+    cfgfile = tmp_path / "config.yaml"
+    cfgfile.write_text(yaml.safe_dump(_small_config()))
+    first = snakemake(tmp_path, "--configfile", str(cfgfile))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
+    metrics = (tmp_path / "results/evaluate/metrics.json").read_bytes()
+    ckpt = tmp_path / "results/finetune/checkpoints"
+    ckpt.rename(tmp_path / "kept")
+    ckpt.write_text("not a directory")              # the trainer cannot start: the forced job fails
+    failed = snakemake(tmp_path, "--configfile", str(cfgfile), "--forcerun", "finetune_model")
+    assert failed.returncode != 0
+    assert not (tmp_path / "results/finetune/model.pt").exists()
+    log = (tmp_path / "logs/finetune/train.log").read_text()
+    refusal = [line for line in log.splitlines() if line.startswith("chexflow train: ")]
+    assert len(refusal) == 1 and refusal[0].startswith("chexflow train: results/finetune/checkpoints: "), log[-3000:]
+    assert "Traceback" not in log and refusal[0] in failed.stdout + failed.stderr   # the profile shows the log
+    ckpt.unlink()
+    (tmp_path / "kept").rename(ckpt)
+    dry = snakemake(tmp_path, "--configfile", str(cfgfile), "-n")
+    assert "Nothing to be done" not in dry.stdout + dry.stderr
+    assert {k: v for k, v in job_counts(dry.stdout).items() if k != "total"} == {
+        "finetune_model": 1, "evaluate_model": 1, "render_report": 1, "all": 1}
+    again = snakemake(tmp_path, "--configfile", str(cfgfile))
+    assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
+    assert (tmp_path / "results/finetune/model.pt").is_file()
+    assert (tmp_path / "results/evaluate/metrics.json").read_bytes() == metrics    # the same run, resumed
+    last = snakemake(tmp_path, "--configfile", str(cfgfile))
+    assert "Nothing to be done" in last.stdout + last.stderr

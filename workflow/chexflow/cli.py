@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
+from chexflow import errors
 from chexflow.data.config import DemoReleaseConfig, ShardConfig
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.predict.config import ExportConfig, PredictConfig
@@ -39,8 +42,8 @@ def cmd_make_demo_release(args) -> None:
     cfg = _load(DemoReleaseConfig, args)
     dataset = registry.get(args.dataset)
     if not getattr(dataset, "generated", False):
-        raise SystemExit(f"make-demo-release: dataset {args.dataset!r} is not a generated phantom release "
-                         f"(those are: {', '.join(n for n, d in registry.DATASETS.items() if getattr(d, 'generated', False))})")
+        raise ConfigError(f"--dataset {args.dataset!r} is not a generated phantom release (those are: "
+                          f"{', '.join(n for n, d in registry.DATASETS.items() if getattr(d, 'generated', False))})")
     info = make_release(args.out, n_images=cfg.n_images, image_size=cfg.image_size,
                         images_per_archive=cfg.images_per_archive, test_fraction=cfg.test_fraction,
                         seed=cfg.seed, pool=dataset.patient_pool, workers=args.workers, progress=True,
@@ -214,7 +217,10 @@ def _add_model_inputs(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="chexflow", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="chexflow", description=__doc__.splitlines()[0],
+                                 epilog="A refusal is one line on stderr and an exit status of docs/errors.md.")
+    ap.add_argument("--debug", action="store_true",
+                    help=f"with a refusal, its Python traceback too (or set {errors.DEBUG_ENV}=1)")
     sub = ap.add_subparsers(dest="stage", required=True)
 
     p = sub.add_parser("make-demo-release", help="generate the synthetic mini-NIH release (phantoms)")
@@ -360,12 +366,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one command; a refusal (chexflow.errors) ends it with one line on stderr and its exit code."""
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except ConfigError as exc:
-        print(f"chexflow {args.stage}: configuration error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except SystemExit as exc:   # a command's own status (the trainer's 3, 4, 5, 143): kept for chexflow launch
+        errors.record_exit(exc.code)
+        raise
+    except Exception as exc:  # noqa: BLE001 - sorted below: a refusal gets its line, anything else its traceback
+        _refuse(args.stage, exc, debug=errors.debug_requested(args.debug))
+
+
+def _refuse(command: str, exc: Exception, *, debug: bool) -> NoReturn:
+    """Exit as chexflow.errors says for ``exc`` (with ``debug``: its traceback first); re-raise a bug."""
+    refusal = errors.refusal_of(exc)
+    if refusal is None:
+        raise exc
+    if debug:
+        traceback.print_exception(exc)
+    lines = errors.refusal_lines(command, exc, refusal)
+    print("\n".join(lines), file=sys.stderr)
+    errors.record_exit(refusal.code, lines)
+    sys.exit(refusal.code)
 
 
 if __name__ == "__main__":

@@ -256,9 +256,21 @@ def _stage_ok(stage: str, p: _Problems) -> bool:
     return p.ok(*(f"{where}.{k}" for k in train_config.RELATED_KEYS for where in (stage, "training")))
 
 
+def _validates(stage: str, s: Study, p: _Problems) -> None:
+    """Training keeps the epoch that validates best (fine-tuning: evaluation's thresholds come from the
+    validation split too): a split carved out by val_fraction needs a fraction above 0."""
+    name = s.dataset(stage)
+    key = f"shards.{name}.val_fraction"
+    if name in s.shards and registry.get(name).val_carved and s.shards[name].val_fraction == 0 and p.ok(key):
+        p.add(key, f"{key}: 0 leaves {stage} without a validation split (training keeps the epoch that validates "
+                   f"best{', evaluation sets its thresholds on it' if stage == 'finetune' else ''}); give a "
+                   "fraction above 0, e.g. 0.1")
+
+
 def _train_relations(s: Study, p: _Problems) -> None:
     for stage, cfg in s.train.items():
         _crop_fits(f"{stage}.data.crop", cfg.data.crop, s.dataset(stage), s.shards, p)
+        _validates(stage, s, p)
         if _stage_ok(stage, p):
             for message in train_config.check(cfg, stage):
                 p.add(stage, message)

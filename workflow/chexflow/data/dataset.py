@@ -56,6 +56,9 @@ class Dataset:
     # a release chexflow generates (rule make_demo_release) instead of downloading: the config.yaml
     # section of its DemoReleaseConfig; None for a release that is downloaded
     release_config: str | None = None
+    # the validation split is carved out of the training data by shards.<name>.val_fraction (else
+    # the release has its own, as ImageNet's official val set)
+    val_carved: bool = True
 
     @property
     def generated(self) -> bool:

@@ -3,7 +3,8 @@
 Through pydicom: the stored pixels (any transfer syntax an installed pixel-data handler decodes;
 pydicom alone: uncompressed, deflated and RLE; with Pillow: JPEG baseline and JPEG 2000; JPEG
 lossless and JPEG-LS need gdcm or pylibjpeg, and without them the file gets an error naming its
-transfer syntax), then the Modality LUT (rescale slope/intercept or a LUT), then the VOI LUT or
+transfer syntax), then the Modality LUT (rescale slope/intercept or a LUT), then the VOI LUT
+(``chexflow.data.voi_lut``: any length, 8- to 16-bit entries; one it cannot apply is refused) or
 window, all at full bit depth, and only then one scaling to 0..255:
 
 - with a VOI transform, the darkest and brightest values it can output become 0 and 255 (what a
@@ -23,6 +24,7 @@ import warnings
 import numpy as np
 
 from chexflow.data.images import DecodeError, _minmax_to_uint8
+from chexflow.data.voi_lut import read_voi_lut
 
 RADIOGRAPH_MODALITIES = ("CR", "DX", "DR")
 
@@ -131,13 +133,11 @@ def _apply_voi(values: np.ndarray, ds) -> tuple[np.ndarray, float, float] | None
     """(VOI output, the output that is black, the one that is white), or None when the file has
     no VOI transform. A VOI LUT comes first (as pydicom's ``apply_voi_lut``), else the window;
     the first of several alternative views is the default view."""
-    from pydicom.pixels import apply_voi, apply_windowing
+    from pydicom.pixels import apply_windowing
 
     if ds.get("VOILUTSequence"):
-        entries, first = ds.VOILUTSequence[0].LUTDescriptor[:2]
-        table = apply_voi(np.arange(first, first + (entries or 2 ** 16)), ds)     # every entry of the LUT
-        ints = np.rint(values).astype(np.int64) if values.dtype.kind == "f" else values   # LUT inputs are integers
-        return apply_voi(ints, ds).astype(np.float64), float(table.min()), float(table.max())
+        lut = read_voi_lut(ds)          # not pydicom's apply_voi: see chexflow.data.voi_lut
+        return lut.apply(values).astype(np.float64), float(lut.table.min()), float(lut.table.max())
     if "WindowCenter" in ds and "WindowWidth" in ds:
         black, white = apply_windowing(np.array([-np.inf, np.inf]), ds)           # the window's output range
         return apply_windowing(values, ds), float(black), float(white)

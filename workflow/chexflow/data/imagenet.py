@@ -334,6 +334,7 @@ class ImageNet(Dataset):
     stage: str = "pretrain"
     split_roles: tuple[str, ...] = ("devkit",)   # the val ground truth
     shard_options: tuple[str, ...] = ("train_parts", "max_member_mb", "max_image_megapixels")
+    val_carved: bool = False
 
     def source(self, n_archives: int | None = None) -> Source:
         return source()

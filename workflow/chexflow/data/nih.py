@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from chexflow.data.config import ShardConfig
-from chexflow.data import images
+from chexflow.data import images, table_rows
 from chexflow.data.archives import ArchiveError, posix_basename, safe_members
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source
@@ -160,16 +160,16 @@ def demo_source(n_archives: int | None, name: str = "nih_demo", *, boxes: bool =
 
 # --------------------------------------------------------------------------- label table
 
-def labels_from_findings(findings: pd.Series, *, source: str = "<findings>") -> pd.DataFrame:
-    """Turn 'Finding Labels' strings ('A|B', 'No Finding') into float32 0/1 columns in LABELS order."""
-    if findings.isna().any():
-        bad = list(findings.index[findings.isna()][:5])
-        raise NIHError(f"{source}: empty 'Finding Labels' for {int(findings.isna().sum())} rows, e.g. {bad}")
+def labels_from_findings(findings: pd.Series, *, source: str = "<findings>", names: pd.Series | None = None):
+    """Turn 'Finding Labels' strings ('A|B', 'No Finding') into float32 0/1 columns in LABELS order;
+    a bad row is named by its image (``names``: the rows' 'Image Index') and its line in ``source``."""
+    unknown = findings.fillna("").str.split("|").map(lambda r: sorted({s.strip() for s in r} - {*LABELS, NO_FINDING}))
+    for bad, what in ((findings.isna(), "empty 'Finding Labels'"), (unknown.map(bool), "unknown finding(s) {}")):
+        if bad.any():
+            first, row, more = table_rows.first_bad(bad, source, "Image Index", names)
+            raise NIHError(f"{source}: {row}: {what.format(unknown[first])}{more}; known: {list(LABELS)} + {NO_FINDING!r}")
     dummies = findings.astype(str).str.get_dummies(sep="|")
     dummies.columns = [c.strip() for c in dummies.columns]
-    unknown = sorted(set(dummies.columns) - set(LABELS) - {NO_FINDING})
-    if unknown:
-        raise NIHError(f"{source}: unknown finding label(s) {unknown}; known: {list(LABELS)} and {NO_FINDING!r}")
     out = pd.DataFrame(0.0, index=findings.index, columns=list(LABELS), dtype=np.float32)
     for label in LABELS:
         if label in dummies.columns:
@@ -203,7 +203,7 @@ def read_labels(csv_path: Path | str) -> pd.DataFrame:
     """Read ``Data_Entry_2017*.csv[.gz]``: a DataFrame indexed by image name (index name ``image``)
     with column ``patient`` (str) and the 14 LABELS columns as float32 0/1 ("No Finding": all 0)."""
     raw = read_label_table(csv_path)
-    labels = labels_from_findings(raw["Finding Labels"], source=str(csv_path))
+    labels = labels_from_findings(raw["Finding Labels"], source=str(csv_path), names=raw["Image Index"])
     out = pd.DataFrame({"patient": raw["Patient ID"].astype(str).to_numpy()}, index=raw["Image Index"].to_numpy())
     out = pd.concat([out, labels.set_axis(out.index)], axis=1)
     out.index.name = "image"

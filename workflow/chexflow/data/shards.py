@@ -106,7 +106,16 @@ class PartLog:
     earlier: dict[str, dict] = field(default_factory=dict)
 
     def reject_member(self, member: str, reason: str) -> None:
-        self.rejects.append({"image": member, "part": self.part, "stage": "read", "reason": reason})
+        self.reject({"image": member, "part": self.part, "stage": "read", "reason": reason})
+
+    def reject(self, record: dict, again: bool = False) -> None:
+        """Keep a reject for the manifest and name it in the job's log at once (a part that then
+        fails for too many rejects has named each); ``again``: one an earlier attempt found."""
+        self.rejects.append(record)
+        origin = f" ({record['origin']})" if record.get("origin") else ""
+        tqdm.write(f"{self.part}: rejected {record['image']}{origin} at {record['stage']}"
+                   f"{' by an earlier attempt' if again else ''}: {' '.join(str(record['reason']).split())}",
+                   file=sys.stderr)
 
 
 def _iter_part(name: str, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
@@ -138,15 +147,14 @@ def _decoded(items, log: PartLog, wanted, decode) -> Iterator[Sample]:
         log.members[key] = origin
         if not wanted(split, key):
             if key in log.earlier:    # rejected by the attempt that wrote the skipped shards
-                log.rejects.append(log.earlier[key])
+                log.reject(log.earlier[key], again=True)
                 continue
             yield Sample(key, patient, split, target, None)
             continue
         try:
             img = decode(data, key)
         except images.DecodeError as exc:
-            log.rejects.append({"image": key, "part": log.part, "stage": "decode", "origin": origin,
-                                "reason": str(exc)})
+            log.reject({"image": key, "part": log.part, "stage": "decode", "origin": origin, "reason": str(exc)})
             continue
         yield Sample(key, patient, split, target, img)
 

@@ -5,6 +5,8 @@ profile sets ``mpi`` to an ``srun --mpi=pmix ...`` line; on a workstation to ``c
 which starts the ranks on this machine with the launcher of the configured backend
 (``CHEXFLOW_BACKEND``): ``horovodrun --gloo`` for Horovod, ``torchrun`` for DDP. If any rank dies
 the launcher stops the others and exits non-zero, so Snakemake sees a failure and a retry resumes.
+``chexflow launch`` then exits with the first failed rank's own status and repeats its refusal
+line last (chexflow.errors): the launchers exit 1 whatever their ranks exited with.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+
+from chexflow import errors
 
 
 def local_command(backend: str, n: int, cmd: list[str]) -> list[str]:
@@ -78,7 +83,25 @@ def launch(backend: str, n: int, cmd: list[str]) -> int:
     argv = local_command(backend, n, cmd)
     print("launch:", " ".join(argv), file=sys.stderr, flush=True)
     _become_subreaper()
-    proc = subprocess.Popen(argv)
+    with tempfile.TemporaryDirectory(prefix="chexflow-ranks-") as statuses:
+        proc = subprocess.Popen(argv, env={**os.environ, errors.RANK_STATUS_ENV: statuses})
+        return _ranks_status(_wait(proc), statuses)
+
+
+def _ranks_status(code: int, statuses: str) -> int:
+    """The launcher's exit status, or when it failed, that of the first rank that recorded its own;
+    where the launcher said otherwise, that rank's refusal lines again (the job's log ends with them)."""
+    found = errors.first_recorded_exit(statuses) if code != 0 else None
+    if found is None:
+        return code
+    rank_code, lines = found
+    if lines and rank_code != code:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    return rank_code
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """The launcher's exit status; meanwhile signals go to every rank, and no rank outlives it."""
 
     def forward(signum, _frame):
         _signal_all(signum)
