@@ -152,10 +152,12 @@ def image():
 
 def run_in(image: str, script: str, timeout: float = 1200) -> str:
     """``script`` (bash) in a fresh container of ``image``, with no network (a namespace holding only
-    loopback); the container is removed afterwards. Returns stdout + stderr; a failure fails the test."""
+    loopback) and the host's name, as under Apptainer (buildah's own name for the container resolves
+    nowhere, and Horovod's gloo start-up crashes on that); the container is removed afterwards.
+    Returns stdout + stderr; a failure fails the test."""
     ctr = subprocess.run(["buildah", "from", image], capture_output=True, text=True, check=True).stdout.strip()
     try:
-        inner = f"ip link set lo up && exec buildah run --isolation chroot {ctr} -- bash -c {_quote(script)}"
+        inner = f"ip link set lo up && exec buildah run --isolation chroot --uts host {ctr} -- bash -c {_quote(script)}"
         proc = subprocess.run(["unshare", "--net", "bash", "-c", inner], capture_output=True, text=True,
                               timeout=timeout)
     finally:
