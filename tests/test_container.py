@@ -126,6 +126,13 @@ needs_buildah = pytest.mark.skipif(
 TAG = "localhost/chexflow-test:tests"
 
 
+def in_image(test):
+    """The marks of a test of the image: its first test also builds it (15 min cold on 2 loaded cores)."""
+    for mark in (pytest.mark.timeout(3600), needs_buildah, pytest.mark.container, pytest.mark.slow):
+        test = mark(test)
+    return test
+
+
 def _build(tag: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     proc = subprocess.run(["bash", str(REPO / "envs/build-image.sh"), "--base", "mmdebstrap", "--tag", tag],
@@ -171,9 +178,7 @@ def _quote(s: str) -> str:
     return "'" + s.replace("'", "'\"'\"'") + "'"
 
 
-@pytest.mark.slow
-@pytest.mark.container
-@needs_buildah
+@in_image
 def test_second_build_of_the_same_checkout_is_taken_from_the_cache(image):
     first = _image_id(image)
     proc, seconds = _build(image)
@@ -184,9 +189,7 @@ def test_second_build_of_the_same_checkout_is_taken_from_the_cache(image):
     assert _image_id(image) == first
 
 
-@pytest.mark.slow
-@pytest.mark.container
-@needs_buildah
+@in_image
 def test_image_records_the_commit_and_the_pins(image):
     info = json.loads(subprocess.run(["buildah", "inspect", "--type", "image", image], capture_output=True,
                                      text=True, check=True).stdout)
@@ -205,9 +208,7 @@ def test_image_records_the_commit_and_the_pins(image):
     assert installed["horovod"].startswith("0.28.1")
 
 
-@pytest.mark.slow
-@pytest.mark.container
-@needs_buildah
+@in_image
 def test_chexflow_help_in_the_image(image):
     out = run_in(image, "/opt/chexflow/envs/container-entrypoint.sh --help && cd /tmp && chexflow --help "
                         "&& snakemake --version && python -c 'import sys; print(sys.prefix)'")
@@ -215,9 +216,7 @@ def test_chexflow_help_in_the_image(image):
     assert "9.27.1" in out and "/opt/chexflow/.venv" in out
 
 
-@pytest.mark.slow
-@pytest.mark.container
-@needs_buildah
+@in_image
 def test_horovod_in_the_image_runs_two_ranks(image):
     """Two ranks started by `chexflow launch` (horovodrun, gloo) allreduce their rank + 1: 1 + 2 = 3."""
     program = ("import horovod.torch as hvd, torch; hvd.init(); "
@@ -227,10 +226,7 @@ def test_horovod_in_the_image_runs_two_ranks(image):
     assert "rank 0 of 2: sum 3" in out and "rank 1 of 2: sum 3" in out, out[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.container
-@needs_buildah
-@pytest.mark.timeout(2400)
+@in_image
 def test_default_demo_in_the_image_gives_the_host_metrics(image, tmp_path):
     """The default demo, offline, inside the image: the host's test metrics, and each finding's AUROC
     recomputed here from the predictions it wrote (scikit-learn)."""
