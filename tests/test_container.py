@@ -226,23 +226,42 @@ def test_horovod_in_the_image_runs_two_ranks(image):
     assert "rank 0 of 2: sum 3" in out and "rank 1 of 2: sum 3" in out, out[-3000:]
 
 
+def _host_demo(workdir: Path) -> dict:
+    """The default demo on this machine, outside any container: its test metrics."""
+    workdir.mkdir()
+    (workdir / "config.yaml").write_text((REPO / "config.yaml").read_text())
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
+                           "--profile", "profiles/default"], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=2000)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return json.loads((workdir / "results/evaluate/metrics.json").read_text())
+
+
 @in_image
 def test_default_demo_in_the_image_gives_the_host_metrics(image, tmp_path):
-    """The default demo, offline, inside the image: the host's test metrics, and each finding's AUROC
-    recomputed here from the predictions it wrote (scikit-learn)."""
+    """The default demo, offline, inside the image: the host's test metrics, finding by finding (a host
+    run beside it), the known mean AUROC, and each finding's AUROC recomputed here from the predictions
+    it wrote (scikit-learn)."""
     out = run_in(image, "cd /opt/chexflow && snakemake --profile profiles/default > /tmp/demo.log 2>&1 "
                         "|| { tail -n 80 /tmp/demo.log; exit 1; }; "
                         "cat results/evaluate/metrics.json; echo; echo ====; cat results/evaluate/predictions.csv",
-                 timeout=2300)
+                 timeout=2000)
     metrics_text, csv = out.split("====\n", 1)
     metrics = json.loads(metrics_text[metrics_text.index("{"):])
     assert metrics["n_images"] == DEMO_TEST_IMAGES
     assert round(metrics["mean_auroc"], 6) == DEMO_MEAN_AUROC
+    host = _host_demo(tmp_path / "host")
+    labels = metrics["mean_auroc_labels"]
+    print("finding: AUROC in the image / on the host")
+    for label in labels:
+        print(f"  {label}: {metrics['labels'][label]['auroc']!r} / {host['labels'][label]['auroc']!r}")
+    assert labels == host["mean_auroc_labels"] and len(labels) == 14
+    assert {c: metrics["labels"][c]["auroc"] for c in labels} == {c: host["labels"][c]["auroc"] for c in labels}
+    assert metrics["mean_auroc"] == host["mean_auroc"]
     (tmp_path / "predictions.csv").write_text(csv)
     pred = pd.read_csv(tmp_path / "predictions.csv")
     assert len(pred) == DEMO_TEST_IMAGES
-    for label in metrics["mean_auroc_labels"]:
+    for label in labels:
         assert roc_auc_score(pred[label], pred[f"{label}_score"]) == pytest.approx(
             metrics["labels"][label]["auroc"], abs=1e-4), label
-    assert np.mean([metrics["labels"][c]["auroc"] for c in metrics["mean_auroc_labels"]]) == pytest.approx(
-        metrics["mean_auroc"], abs=1e-12)
+    assert np.mean([metrics["labels"][c]["auroc"] for c in labels]) == pytest.approx(metrics["mean_auroc"], abs=1e-12)
