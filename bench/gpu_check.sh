@@ -59,7 +59,8 @@ declare -A status
 
 say "chexflow (editable, no dependency changes) and Horovod"
 if [ "${CHEXFLOW_IN_IMAGE:-0}" = 1 ]; then    # the image's chexflow and Horovod, as built into it
-  hvd=$("$PY" -c "import horovod.torch as h; print('nccl' if h.nccl_built() else 'no-gpu-ops')" 2>"$RES/install-$stamp.log")
+  hvd=$("$PY" -c "import horovod.torch as h; print('nccl' if h.nccl_built() else 'no-gpu-ops')" \
+        2>"$RES/install-$stamp.log")
   status[horovod_build]=${hvd:+image-$hvd}
   status[horovod_build]=${status[horovod_build]:-failed}
 else

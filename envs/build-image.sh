@@ -45,7 +45,8 @@ ISOLATION=${BUILDAH_ISOLATION:-chroot}    # chroot: needs no user namespaces or 
 # ---------------------------------------------------------------- the base
 if [ "$BASE" = mmdebstrap ]; then
   if [ "$NEW_BASE" = 1 ] || ! buildah inspect --type image "$BASE_NAME" >/dev/null 2>&1; then
-    command -v mmdebstrap >/dev/null || { echo "build-image: mmdebstrap not found (apt-get install mmdebstrap)" >&2; exit 1; }
+    command -v mmdebstrap >/dev/null \
+      || { echo "build-image: mmdebstrap not found (apt-get install mmdebstrap)" >&2; exit 1; }
     MIRROR=${CHEXFLOW_DEBIAN_MIRROR:-http://deb.debian.org/debian}
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' EXIT
