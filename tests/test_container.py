@@ -134,8 +134,11 @@ def in_image(test):
 
 
 def _build(tag: str) -> tuple[subprocess.CompletedProcess, float]:
+    """build-image.sh on a Debian base made by mmdebstrap, with this interpreter's Python (Debian's 3.11.2
+    lacks the tarfile filters; the host's Python is what the tests run on)."""
+    python = [] if sys.base_prefix == "/usr" else ["--python", sys.base_prefix]
     start = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "envs/build-image.sh"), "--base", "mmdebstrap", "--tag", tag],
+    proc = subprocess.run(["bash", str(REPO / "envs/build-image.sh"), "--base", "mmdebstrap", *python, "--tag", tag],
                           cwd=REPO, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc, time.monotonic() - start
@@ -205,7 +208,8 @@ def test_image_records_the_commit_and_the_pins(image):
     installed = dict(line.split("==", 1) for line in freeze.splitlines() if "==" in line)
     installed = {name.lower().replace("_", "-"): v for name, v in installed.items()}
     assert {name: installed.get(name.lower()) for name in pins} == pins      # what envs/setup.sh pinned
-    assert installed["horovod"].startswith("0.28.1")
+    horovod = [line for line in freeze.splitlines() if line.lower().startswith("horovod")]
+    assert len(horovod) == 1 and "0.28.1" in horovod[0], horovod         # (from the wheel cache: a file URL)
 
 
 @in_image
