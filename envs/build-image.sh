@@ -4,7 +4,7 @@
 # Usage: bash envs/build-image.sh [--base IMAGE|mmdebstrap] [--tag TAG] [--skip-torch] [--nccl]
 #                                 [--oci-archive FILE] [--wheel-cache DIR|none] [--new-base] [--python PREFIX]
 #   --base mmdebstrap   (default) a Debian bookworm base made from the Debian archive by mmdebstrap,
-#                       imported as localhost/chexflow-base:bookworm and reused while it exists
+#                       imported as localhost/chexflow-base:bookworm[-python<version>], reused while it exists
 #                       (--new-base makes it again); no image registry needed (air-gapped sites)
 #   --python PREFIX     (with mmdebstrap) a CPython installation (e.g. pyenv's ~/.pyenv/versions/3.11.7, its
 #                       site-packages left out) copied into the base at the same path and used instead of
