@@ -26,6 +26,10 @@ STUDY = check_study(config)
 validate(config, "workflow/chexflow/schemas/config.schema.yaml")
 
 
+# config.yaml's container.image: each job inside it (with --sdm apptainer); null: none (docs/container.md)
+container: STUDY.container.image
+
+
 include: "rules/common.smk"
 include: "rules/download.smk"
 include: "rules/shards.smk"

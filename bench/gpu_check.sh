@@ -22,8 +22,27 @@
 # --no-index --find-links WHEELS ...; keep the machine's own CUDA torch). FASHION_MNIST=<dir with the
 # four Fashion-MNIST .gz files> when /usr/share/datasets/fashion-mnist is absent.
 # CHEXFLOW_GPU_CHECK_STEPS="tests demo bench" selects steps; BENCH_ARCHS="resnet50 densenet121".
+#
+# Inside chexflow's image (envs/Containerfile, docs/container.md), with this checkout bound into it:
+#   bash bench/gpu_check.sh --image chexflow.sif       # apptainer exec --nv (singularity: CHEXFLOW_RUNNER)
+#   CHEXFLOW_RUNNER=docker bash bench/gpu_check.sh --image chexflow:TAG     # docker run --gpus all
+# The image's own .venv and Horovod are used (step 1 only reports them). Not tested on the machine
+# the image was built on (no GPU, no Apptainer there): Apptainer itself, --nv, an image on a CUDA base
+# (NGC PyTorch, CHEXFLOW_SKIP_TORCH=1) and its Horovod built with NCCL; this mode is where to check them.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ "${1:-}" = --image ]; then
+  image=${2:?--image needs a .sif file or an image name}
+  runner=${CHEXFLOW_RUNNER:-apptainer}
+  case "$runner" in
+    apptainer|singularity)
+      exec "$runner" exec --nv --bind "$PWD" --pwd "$PWD" --env CHEXFLOW_IN_IMAGE=1 "$image" bash bench/gpu_check.sh ;;
+    docker|podman)
+      exec "$runner" run --rm --gpus all -v "$PWD:$PWD" -w "$PWD" -e CHEXFLOW_IN_IMAGE=1 -e CHEXFLOW_GPU_CHECK_STEPS \
+        --entrypoint bash "$image" bench/gpu_check.sh ;;
+    *) echo "gpu_check: CHEXFLOW_RUNNER=$runner: apptainer, singularity, docker or podman" >&2; exit 2 ;;
+  esac
+fi
 PY=${PYTHON:-python3}
 RES=${CHEXFLOW_GPU_RESULTS:-bench/results}
 STEPS=${CHEXFLOW_GPU_CHECK_STEPS:-"tests demo bench"}
@@ -39,13 +58,20 @@ export PYTHONPATH="$PWD/workflow:$PWD/envs${PYTHONPATH:+:$PYTHONPATH}"   # envs/
 declare -A status
 
 say "chexflow (editable, no dependency changes) and Horovod"
-"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install-$stamp.log" 2>&1 || true
-if "$PY" -m chexflow_install.horovod >>"$RES/install-$stamp.log" 2>&1; then
-  status[horovod_build]=nccl
-elif "$PY" -m chexflow_install.horovod --with-nccl no >>"$RES/install-$stamp.log" 2>&1; then
-  status[horovod_build]=no-gpu-ops
+if [ "${CHEXFLOW_IN_IMAGE:-0}" = 1 ]; then    # the image's chexflow and Horovod, as built into it
+  hvd=$("$PY" -c "import horovod.torch as h; print('nccl' if h.nccl_built() else 'no-gpu-ops')" \
+        2>"$RES/install-$stamp.log")
+  status[horovod_build]=${hvd:+image-$hvd}
+  status[horovod_build]=${status[horovod_build]:-failed}
 else
-  status[horovod_build]=failed
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install-$stamp.log" 2>&1 || true
+  if "$PY" -m chexflow_install.horovod >>"$RES/install-$stamp.log" 2>&1; then
+    status[horovod_build]=nccl
+  elif "$PY" -m chexflow_install.horovod --with-nccl no >>"$RES/install-$stamp.log" 2>&1; then
+    status[horovod_build]=no-gpu-ops
+  else
+    status[horovod_build]=failed
+  fi
 fi
 say "horovod build: ${status[horovod_build]} (log $RES/install-$stamp.log)"
 

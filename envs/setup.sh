@@ -2,7 +2,8 @@
 # Set up chexflow on a fresh machine, idempotently (a second run only checks):
 #   system packages (Debian/Ubuntu, when run as root): Fashion-MNIST data package, OpenMPI
 #   (Horovod's MPI ops for `srun --mpi=pmix`), and with --test: Chromium (report rendering
-#   test) and procps; the local SLURM test cluster installs its own packages;
+#   test), procps, and buildah, mmdebstrap and iproute2 (the container image test); the local SLURM
+#   test cluster installs its own packages;
 #   .venv with envs/requirements.txt: the pinned packages and chexflow itself (editable) with every
 #   group of pyproject.toml (the one list of what chexflow needs), the SLURM executor plugin patched
 #   for its node-failure bug, and Horovod 0.28.1 built against the installed torch (cached wheel under
@@ -30,7 +31,7 @@ say() { printf '\n[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 # ---------------------------------------------------------------- system packages
 pkgs=(dataset-fashion-mnist libopenmpi-dev openmpi-bin cmake g++)
-[ "$WITH_TESTS" = 1 ] && pkgs+=(chromium procps)
+[ "$WITH_TESTS" = 1 ] && pkgs+=(chromium procps buildah mmdebstrap iproute2)
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

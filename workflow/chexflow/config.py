@@ -30,8 +30,20 @@ from chexflow.studies.config import AblationConfig, ScalingConfig, SweepConfig
 from chexflow.train import config as train_config
 from chexflow.train.config import STAGES, TrainConfig
 
-STUDY_SECTIONS = {"evaluate": EvaluateConfig, "scaling": ScalingConfig, "sweep": SweepConfig,
-                  "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
+# how Apptainer names an image it pulls (a local .sif file is the other form)
+IMAGE_SCHEMES = ("docker", "oras", "library", "shub", "https", "http")
+
+
+@dataclass(frozen=True)
+class ContainerConfig:
+    """Where the rules' jobs run: null = in the environment Snakemake runs in; an image (a .sif file or
+    an Apptainer URI such as docker://...) = each job inside it, Snakemake's ``container:`` directive
+    (with ``--sdm apptainer``: profiles/slurm-with-apptainer; docs/container.md)."""
+    image: str | None = None
+
+
+STUDY_SECTIONS = {"container": ContainerConfig, "evaluate": EvaluateConfig, "scaling": ScalingConfig,
+                  "sweep": SweepConfig, "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
 REQUIRED = ("study", "shards", "pretrain", "finetune")
 # ShardConfig fields the workflow sets: the dataset (the section's name) and a pilot subset of the
 # archives (datasets.<name>.archives); a dataset's own keys (train_parts, ...) only where its adapter has
@@ -50,6 +62,7 @@ class Study:
     """config.yaml, checked: every value typed, in range and consistent with the others."""
     pretrain_dataset: str
     finetune_dataset: str
+    container: ContainerConfig
     sources: dict[str, SourceConfig]          # datasets.<name> (downloaded datasets)
     releases: dict[str, DemoReleaseConfig]    # generated datasets: their release section
     shards: dict[str, ShardConfig]            # shards.<name>, with the dataset and a pilot subset set
@@ -314,7 +327,22 @@ def _data_relations(s: Study, p: _Problems) -> None:
                 p.add(f"shards.{name}", message)
 
 
+def _container_image(image: str | None, p: _Problems) -> None:
+    if image is None:
+        return
+    scheme = image.split("://", 1)[0] if "://" in image else None
+    if not image.strip() or any(c.isspace() for c in image):
+        p.add("container.image", f"container.image: {image!r} is empty or holds whitespace; null runs no container")
+    elif scheme is None and not image.endswith(".sif"):
+        p.add("container.image", f"container.image: {image!r} is neither a .sif file nor an image URI "
+                                 f"({', '.join(s + '://' for s in IMAGE_SCHEMES)})")
+    elif scheme is not None and scheme not in IMAGE_SCHEMES:
+        p.add("container.image", f"container.image: {image!r}: Apptainer pulls no {scheme}:// image; one of "
+                                 f"{', '.join(s + '://' for s in IMAGE_SCHEMES)} or a .sif file")
+
+
 def _study_relations(s: Study, p: _Problems) -> None:
+    _container_image(s.container.image, p)
     bands = list(s.evaluate.age_bands)
     if not bands or bands != sorted(bands):
         p.add("evaluate.age_bands", f"evaluate.age_bands: {bands} is not a non-empty ascending list of ages")
