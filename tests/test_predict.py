@@ -430,7 +430,9 @@ def test_model_file_alone_predicts_as_the_flags_do(study, tmp_path):
                         out_csv=tmp_path / "flags.csv", inputs=[study.pngs], progress=False)
     alone = predict.run(cfg, model_path=study.packaged, out_csv=tmp_path / "alone.csv", inputs=[study.pngs],
                         progress=False)
-    np.testing.assert_allclose(scores_of(alone, study.labels), scores_of(flags, study.labels), rtol=0, atol=1e-6)
+    diff = np.abs(scores_of(alone, study.labels) - scores_of(flags, study.labels)).max()
+    print(f"max |model file alone - flags| over {len(alone)} test PNGs: {diff:.3g}")
+    assert diff <= 1e-6
     assert list(alone["findings"]) == list(flags["findings"]) and alone["findings"].ne("").any()
     # the record's thresholds are evaluation's, and its positives the validation positives they rest on
     info = load_model_file(study.packaged)
