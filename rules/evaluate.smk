@@ -1,6 +1,7 @@
 # Evaluation: the selected model on the test split: AUROC per finding with bootstrap CIs, PR,
 # calibration and operating points, AUROC and underdiagnosis by subgroup (the release's label table), Grad-CAM
-# heatmaps scored against the release's box list (evaluation_inputs). evaluate_model is the body
+# heatmaps scored against the release's box list (evaluation_inputs), and the model file that travels alone
+# (the weights with what predict needs: thresholds, stored size, normalisation). evaluate_model is the body
 # the studies' evaluations (evaluate_ablation, evaluate_seed, evaluate_sweep_winner) share through
 # `use rule ... with:`. Evaluation refuses a model whose run id is not the one of the training
 # settings it is handed on this manifest's data (--train-config-json, --manifest, and the pretraining
@@ -20,6 +21,7 @@ rule evaluate_model:
         underdiagnosis="results/evaluate/underdiagnosis.csv",
         localisation="results/evaluate/localisation.csv",
         saliency="results/evaluate/saliency.npz",
+        model="results/evaluate/model.pt",  # the evaluated model with its predict record: travels alone
     log:
         "logs/evaluate/evaluate.log",
     benchmark:

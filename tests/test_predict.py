@@ -6,6 +6,7 @@ metadata. DICOM decoding (windows, LUTs, MONOCHROME1, compression, refusals) is 
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -142,6 +143,7 @@ class Study:
         evaluate.run(EvaluateConfig(batch_size=16, bootstrap_resamples=20), model_path=self.model,
                      manifest=self.manifest, out_dir=root / "evaluate")
         self.metrics = root / "evaluate" / "metrics.json"
+        self.packaged = root / "evaluate" / "model.pt"      # the model file that travels alone
         self.evaluation = pd.read_csv(root / "evaluate" / "predictions.csv")
         # evaluation's scores before its CSV rounded them
         net = load_predictor(self.model, self.manifest, self.metrics)[0].model
@@ -420,6 +422,96 @@ def test_predict_refuses_files_that_do_not_belong_together(study, tmp_path):
     assert not (tmp_path / "x.csv").exists()
 
 
+# --------------------------------------------------------------------------- the model file that travels alone
+
+@pytest.mark.slow
+def test_model_file_alone_predicts_as_the_flags_do(study, tmp_path):
+    """Evaluation's model.pt alone (CLI: --model, --out, the images): the scores of fine-tuning's model.pt
+    with --manifest and --metrics, the thresholds and findings of evaluation's metrics.json, and a
+    synthetic-data warning in the log and in every row."""
+    cfg = PredictConfig(batch_size=7, workers=0)
+    flags = predict.run(cfg, model_path=study.model, manifest=study.manifest, metrics=study.metrics,
+                        out_csv=tmp_path / "flags.csv", inputs=[study.pngs], progress=False)
+    alone = predict.run(cfg, model_path=study.packaged, out_csv=tmp_path / "alone.csv", inputs=[study.pngs],
+                        progress=False)
+    diff = np.abs(scores_of(alone, study.labels) - scores_of(flags, study.labels)).max()
+    print(f"max |model file alone - flags| over {len(alone)} test PNGs: {diff:.3g}")
+    assert diff <= 1e-6
+    assert list(alone["findings"]) == list(flags["findings"]) and alone["findings"].ne("").any()
+    # the record's thresholds are evaluation's, and its positives the validation positives they rest on
+    info = load_model_file(study.packaged)
+    metrics = json.loads(study.metrics.read_text())
+    record = info["predict"]
+    assert record["thresholds"] == {k: v.get("threshold_val_youden") for k, v in metrics["labels"].items()}
+    assert record["val_positives"] == {k: {"images": v["val_positives"], "patients": v["val_positive_patients"]}
+                                       for k, v in metrics["labels"].items()}
+    manifest = json.loads(study.manifest.read_text())
+    assert (record["stored_size"], record["synthetic"], record["dataset_title"]) == (STORED, True, manifest["title"])
+    assert (record["mean"], record["std"], info["crop"]) == (loader.MEAN, loader.STD, CROP)
+    # the weights evaluation packaged are the ones it evaluated: the fine-tuning's, tensor for tensor
+    trained = load_model_file(study.model)
+    assert all(torch.equal(trained["state_dict"][k], v) for k, v in info["state_dict"].items())
+    assert {k: v for k, v in info.items() if k not in ("predict", "state_dict")} == \
+        {k: v for k, v in trained.items() if k != "state_dict"}
+    proc = run_cli("predict", "--config-json", json.dumps({"workers": 0}), "--model", str(study.packaged),
+                   "--out", str(tmp_path / "cli.csv"), str(study.pngs))
+    assert proc.stderr.count("trained on synthetic data") == 2 and f"thresholds from {study.packaged}" in proc.stderr
+    written = read_predictions(tmp_path / "cli.csv")
+    assert written["synthetic_training_data"].astype(str).eq("True").all() and (written["run_id"] == study.run_id).all()
+    np.testing.assert_allclose(scores_of(written, study.labels), scores_of(alone, study.labels), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_model_file_with_a_malformed_record_is_refused_naming_the_key(study, tmp_path):
+    info = load_model_file(study.packaged)
+    label = study.labels[0]
+
+    def refused(pattern: str, change) -> None:
+        broken = json.loads(json.dumps(info["predict"]))
+        change(broken)
+        torch.save({**info, "predict": broken}, tmp_path / "model.pt")
+        with pytest.raises(ModelFileError, match=pattern):
+            load_predictor(tmp_path / "model.pt")
+
+    refused(r"no 'predict.thresholds'", lambda r: r.pop("thresholds"))
+    refused(r"predict.stored_size is a str", lambda r: r.update(stored_size="40"))
+    refused(r"predict.synthetic is a str", lambda r: r.update(synthetic="yes"))
+    refused(r"predict.mean is a str", lambda r: r.update(mean="0.5"))
+    refused(r"predict.thresholds names label\(s\) the model does not have: \['Dragon'\]",
+            lambda r: r["thresholds"].update(Dragon=0.5))
+    refused(rf"predict.thresholds lacks the model's label\(s\) \['{label}'\]", lambda r: r["thresholds"].pop(label))
+    refused(rf"predict.thresholds.{label} is 1.5, not a probability", lambda r: r["thresholds"].update({label: 1.5}))
+    refused(rf"predict.val_positives.{label} is .*not {{'images'", lambda r: r["val_positives"].update({label: 3}))
+    refused(r"predict.mean/std \(0.5, 0.0\) is not a normalisation", lambda r: r.update(std=0.0))
+    refused(r"predict has keys this chexflow does not know: \['extra'\]", lambda r: r.update(extra=1))
+    torch.save({**info, "predict": [1, 2]}, tmp_path / "model.pt")
+    with pytest.raises(ModelFileError, match="predict is a list"):
+        load_predictor(tmp_path / "model.pt")
+    # a model file without a record needs the flags, and says which
+    with pytest.raises(PredictInputError, match=r"no 'predict' record .* give --manifest"):
+        load_predictor(study.model)
+    with pytest.raises(PredictInputError, match=r"no 'predict' record .* give --metrics"):
+        load_predictor(study.model, study.manifest)
+
+
+@pytest.mark.slow
+def test_flags_override_the_record(study, tmp_path):
+    """--metrics replaces the record's thresholds; --manifest its stored size (here a manifest saying 36 px)."""
+    metrics = json.loads(study.metrics.read_text())
+    label = next(k for k, v in metrics["labels"].items() if "threshold_val_youden" in v)
+    metrics["labels"][label]["threshold_val_youden"] = 0.0
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    predictor, _ = load_predictor(study.packaged, None, tmp_path / "metrics.json")
+    assert predictor.thresholds[label] == 0.0 and predictor.sources["thresholds"] == str(tmp_path / "metrics.json")
+    assert predictor.preprocess.stored_size == STORED and predictor.synthetic is True
+    manifest = json.loads(study.manifest.read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "image_size": 36, "synthetic": False}))
+    predictor, _ = load_predictor(study.packaged, tmp_path / "manifest.json")
+    assert (predictor.preprocess.stored_size, predictor.synthetic) == (36, False)
+    assert predictor.thresholds == {k: v for k, v in load_model_file(study.packaged)["predict"]["thresholds"].items()
+                                    if v is not None}
+
+
 def test_list_inputs(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     for rel in ("a/1.PNG", "a/b/2.jpeg", "a/b/3.dcm", "a/notes.txt", "a/.x.png", "a/b/DICOMDIR", "a/readme"):
@@ -458,10 +550,17 @@ def test_exports_agree_with_torch_and_carry_what_a_server_needs(study, tmp_path)
     card = tmp_path / "model_card.md"
     card.write_text("# Model card\nSynthetic phantoms only.\n")
     out = tmp_path / "export"
-    summary = export.run(ExportConfig(check_images=16), model_path=study.model, manifest=study.manifest,
-                         metrics=study.metrics, out_dir=out, model_card=card)
+    summary = export.run(ExportConfig(check_images=16), model_path=study.packaged, manifest=study.manifest,
+                         out_dir=out, model_card=card)
     recorded = json.loads((out / "export.json").read_text())
     assert recorded == json.loads(json.dumps(summary))
+    # export.json names the predict record the exports carry: the model file's, by its sha256
+    record = json.loads(json.dumps(load_model_file(study.packaged)["predict"]))
+    named = recorded["predict_record"]
+    assert named["key"] == "chexflow.json:predict" and named["in_model_file"] is True
+    assert named["sha256"] == hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    assert named["thresholds"] == named["stored_size"] == str(study.packaged)
+    assert recorded["metadata"]["predict"] == record and recorded["metadata"]["synthetic_training_data"] is True
     assert recorded["n_check_images"] == 16 and recorded["run_id"] == study.run_id
     for fmt in ("torchscript", "onnx"):
         diffs = recorded["exports"][fmt]["max_abs_diff"]
@@ -479,7 +578,7 @@ def test_exports_agree_with_torch_and_carry_what_a_server_needs(study, tmp_path)
                              files_meta["torchscript"]["model_card.md"].decode()),
                             (onnx_meta["chexflow.json"], onnx_meta["model_card.md"])):
         meta = json.loads(text)
-        assert card_text == card.read_text()
+        assert card_text == card.read_text() and meta["predict"] == record
         assert meta["run_id"] == study.run_id and meta["labels"] == study.labels
         assert meta["thresholds"] == {label: thresholds.get(label) for label in study.labels}
         pre = meta["preprocess"]
@@ -545,7 +644,8 @@ def test_rules_run_on_the_chain_outputs(study, tmp_path):
     """predict_images and export_model as Snakemake runs them, on the model, manifest and metrics the
     chain leaves (placed where its rules write them; --allowed-rules keeps the rest of the chain out)."""
     shutil.copytree(study.manifest.parent, tmp_path / "data" / "shards" / "nih_demo")
-    for src, dest in ((study.model, "results/finetune/model.pt"), (study.metrics, "results/evaluate/metrics.json")):
+    for src, dest in ((study.model, "results/finetune/model.pt"), (study.metrics, "results/evaluate/metrics.json"),
+                      (study.packaged, "results/evaluate/model.pt")):
         (tmp_path / dest).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, tmp_path / dest)
     card = "# Model card\n\nwritten by the report (render_report), carried along with the exports\n"
@@ -564,6 +664,7 @@ def test_rules_run_on_the_chain_outputs(study, tmp_path):
     table = read_predictions(tmp_path / "results/predict/predictions.csv")
     order = [names[int(Path(f).stem)] for f in table["file"]]
     np.testing.assert_allclose(scores_of(table, study.labels), np.stack([study.scores[n] for n in order]), atol=1e-5)
+    assert table["synthetic_training_data"].astype(str).eq("True").all()   # pandas reads the CSV's true
     assert len(list((tmp_path / "results/predict/heatmaps").glob("*.png"))) == len(names)
     summary = json.loads((tmp_path / "results/export/export.json").read_text())
     assert summary["exports"]["onnx"]["max_abs_diff"] and summary["metadata"]["model_card"] == "model_card.md"

@@ -206,14 +206,17 @@ def cmd_sweep_select(args) -> None:
           f"{summary['n_failed']} of {summary['n_trials']} trials failed")
 
 
-def _add_model_inputs(p: argparse.ArgumentParser) -> None:
-    """The fine-tuned model and what it was made from and chosen with (predict, export)."""
-    p.add_argument("--model", type=Path, required=True, help="results/finetune/model.pt")
-    p.add_argument("--manifest", type=Path, required=True,
-                   help="manifest of the data the model was trained on (its stored image size; export: "
-                        "the test images of its check)")
-    p.add_argument("--metrics", type=Path, required=True,
-                   help="evaluation's metrics.json (the thresholds chosen on validation)")
+def _add_model_inputs(p: argparse.ArgumentParser, *, export: bool) -> None:
+    """The fine-tuned model and what overrides its predict record (predict, export)."""
+    p.add_argument("--model", type=Path, required=True,
+                   help="results/evaluate/model.pt (carries its predict record: alone it is enough)")
+    p.add_argument("--manifest", type=Path, required=export,
+                   help="manifest of the data the model was trained on: the test images of the check" if export
+                   else "override: manifest of the data the model was trained on (its stored image size; needed "
+                        "for a model file without a predict record)")
+    p.add_argument("--metrics", type=Path, default=None,
+                   help="override: evaluation's metrics.json (the thresholds chosen on validation; needed for a "
+                        "model file without a predict record)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="the fine-tuned model on PNG/JPEG/DICOM files: one CSV row per file")
     _add_config(p)
-    _add_model_inputs(p)
+    _add_model_inputs(p, export=False)
     p.add_argument("--out", type=Path, required=True, help="the CSV to write")
     p.add_argument("--heatmap-dir", type=Path, default=None, help="with predict.heatmaps (default: beside --out)")
     p.add_argument("inputs", nargs="*", help="folders, image files or .txt lists (default: predict.inputs)")
@@ -312,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="TorchScript and ONNX of the fine-tuned model, checked against torch")
     _add_config(p)
-    _add_model_inputs(p)
+    _add_model_inputs(p, export=True)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--model-card", type=Path, default=None, help="carried along when the file exists")
     p.set_defaults(func=cmd_export)

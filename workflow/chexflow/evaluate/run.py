@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from chexflow.data import loader
-from chexflow.evaluate import localisation, saliency, subgroups, underdiagnosis
+from chexflow.evaluate import localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, operating_point,
                                        positives, precision_recall, youden_threshold)
@@ -56,7 +56,8 @@ def expected_run_ids(train_cfgs: list[TrainConfig], manifest: Path, pretrained: 
 def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
         expect_run_ids: set[str] | None = None, label_table: Path | None = None, boxes: Path | None = None,
         box_frame: int | None = None, heatmaps: bool = True) -> dict:
-    """Evaluate the model file ``model_path`` on the test split of ``manifest`` into ``out_dir``. The
+    """Evaluate the model file ``model_path`` on the test split of ``manifest`` into ``out_dir`` (tables,
+    ``metrics.json``, and ``model.pt``: the model with its predict record, :mod:`.model_file`). The
     file must be a multi-label model of the manifest's labels and, with ``expect_run_ids``, carry one
     of those run ids (a stale model of other settings is refused naming both). ``label_table``: the
     release's label table (subgroups); ``boxes``: its box list in pixels of ``box_frame`` px square
@@ -118,6 +119,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
 
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tables(out_dir, result, labels, test, heat)
+    model_file.write(out_dir / model_file.NAME, info, result, Path(manifest))   # the file that travels alone
     write_text_atomic(out_dir / "metrics.json", json.dumps(result, indent=1, default=float))
     return result
 

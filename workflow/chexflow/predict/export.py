@@ -14,6 +14,7 @@ difference from the torch model's probabilities is recorded in ``export.json`` a
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import warnings
@@ -30,6 +31,7 @@ from chexflow.predict import EXPORT_SUMMARY
 from chexflow.predict.config import ExportConfig
 from chexflow.predict.model import Predictor, load_predictor
 from chexflow.settings import to_dict
+from chexflow.train.predict_record import THRESHOLD_RULE
 
 METADATA = "chexflow.json"
 CARD = "model_card.md"
@@ -51,9 +53,11 @@ class Probabilities(torch.nn.Module):
 
 
 def metadata(predictor: Predictor, info: dict, model_path: Path, card: str | None) -> dict:
+    """What a server needs, and the model file's ``predict`` record as the file holds it (None without one)."""
     return {"format": "chexflow-export/1", "run_id": predictor.run_id, "labels": list(predictor.labels),
+            "dataset": predictor.dataset, "synthetic_training_data": predictor.synthetic,
             "thresholds": {label: predictor.thresholds.get(label) for label in predictor.labels},
-            "threshold_rule": "finding when probability >= threshold (Youden's J on validation); null: none chosen",
+            "threshold_rule": THRESHOLD_RULE, "predict": info.get("predict"), "sources": predictor.sources,
             "preprocess": predictor.preprocess.describe(), "output": f"float32 [batch, {len(predictor.labels)}] "
             "probabilities (sigmoid), in the order of labels", "arch": info.get("arch"), "epoch": info.get("epoch"),
             "val_metric": info.get("val_metric"), "val_metric_name": info.get("val_metric_name"),
@@ -68,10 +72,12 @@ def check_images(manifest: Path, predictor: Predictor, n: int) -> torch.Tensor:
     return predictor.preprocess.network_input(images.to(predictor.device)).cpu()
 
 
-def run(cfg: ExportConfig, *, model_path: Path, manifest: Path, metrics: Path, out_dir: Path,
+def run(cfg: ExportConfig, *, model_path: Path, manifest: Path, out_dir: Path, metrics: Path | None = None,
         model_card: Path | None = None) -> dict:
-    """Write the exports of ``cfg.formats`` and ``export.json`` (their checks) to ``out_dir``."""
-    predictor, info = load_predictor(model_path, manifest, metrics)   # CPU, fp32: the reference
+    """Write the exports of ``cfg.formats`` and ``export.json`` (their checks) to ``out_dir``. ``manifest``
+    gives the check's test images (and the stored size for a model file without a predict record); the
+    file's predict record gives the rest, its thresholds overridden by ``metrics`` when given."""
+    predictor, info = load_predictor(model_path, None, metrics, manifest_fallback=manifest)   # CPU, fp32: the reference
     out_dir = Path(out_dir)
     card = _model_card(model_card)
     meta = metadata(predictor, info, Path(model_path), card)
@@ -80,7 +86,8 @@ def run(cfg: ExportConfig, *, model_path: Path, manifest: Path, metrics: Path, o
     module = Probabilities(predictor.model).eval()
     with torch.no_grad():
         reference = module(x).numpy()
-    summary = {"run_id": predictor.run_id, "n_check_images": int(x.shape[0]), "tolerance": cfg.tolerance,
+    summary = {"run_id": predictor.run_id, "predict_record": _record_summary(meta, Path(model_path)),
+               "n_check_images": int(x.shape[0]), "tolerance": cfg.tolerance,
                "config": to_dict(cfg), "metadata": meta, "versions": _versions(), "exports": {}}
     with ExitStack() as stack:                   # every file or none: all are renamed once all checks pass
         for fmt in cfg.formats:
@@ -98,6 +105,15 @@ def run(cfg: ExportConfig, *, model_path: Path, manifest: Path, metrics: Path, o
             stack.enter_context(atomic_path(out_dir / CARD)).write_text(card, encoding="utf-8")
     write_text_atomic(out_dir / EXPORT_SUMMARY, json.dumps(summary, indent=1))   # last: the rule's "done"
     return summary
+
+
+def _record_summary(meta: dict, model_path: Path) -> dict:
+    """Which predict record the exports carry (``chexflow.json``'s ``predict``): the model file's, with the
+    sha256 of its canonical JSON, and where the thresholds and stored size the exports state came from."""
+    record = meta["predict"]
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest() if record is not None else None
+    return {"key": f"{METADATA}:predict", "model_file": str(model_path), "in_model_file": record is not None,
+            "sha256": digest, "synthetic_training_data": meta["synthetic_training_data"], **meta["sources"]}
 
 
 def _model_card(path: Path | None) -> str | None:

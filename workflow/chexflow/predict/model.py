@@ -1,10 +1,13 @@
 """The fine-tuned model with everything needed to apply it to an image file: what the training path
 did to its images (:class:`Preprocess`), its labels, the thresholds chosen on validation, its run id.
 
-Three files make a :class:`Predictor`, each checked (every file read is untrusted):
-- ``model.pt`` (``checkpoint.load_model``, which checks it): weights, architecture, labels, crop, run id;
-- the dataset manifest the model was trained on: the stored side of its shards and the dataset
-  whose decoding the files go through (``registry.get(dataset).decode``, the shard stage's);
+A model file with a ``predict`` record (evaluation's ``model.pt``, checked by
+``checkpoint.load_model``) makes a :class:`Predictor` alone: weights, architecture, labels, crop, run
+id, the dataset whose decoding the files go through (``registry.get(dataset).decode``, the shard
+stage's), the stored side, the normalisation, the validation thresholds, whether the training data
+was synthetic. Two files override parts of it (and stand in for a model file without the record, as
+the fine-tuning writes it), each checked (every file read is untrusted):
+- the dataset manifest the model was trained on: the stored side and the dataset;
 - ``metrics.json`` of the evaluation: ``threshold_val_youden`` per label, chosen on validation.
 """
 from __future__ import annotations
@@ -64,7 +67,9 @@ class Predictor:
     preprocess: Preprocess
     dataset: str                         # whose shard-stage decoding image files go through
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    cam_layer: str | None = None         # the Grad-CAM layer the evaluation's heatmaps used (its metrics.json)
+    cam_layer: str | None = None         # the Grad-CAM layer the evaluation's heatmaps used
+    synthetic: bool | None = None        # trained on synthetic data (None: not recorded)
+    sources: dict = field(default_factory=dict)   # where the stored size and thresholds came from
 
     def probabilities(self, images: torch.Tensor) -> np.ndarray:
         """float32 ``[B, labels]``: sigmoid outputs for uint8 ``[B, S, S]`` images (S: the stored size)."""
@@ -85,21 +90,46 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
 
 
-def load_predictor(model_path: Path, manifest_path: Path, metrics_path: Path, *,
-                   device: torch.device | None = None) -> tuple[Predictor, dict]:
-    """The predictor of a fine-tuned model file, and the file's content (for provenance)."""
+def load_predictor(model_path: Path, manifest_path: Path | None = None, metrics_path: Path | None = None, *,
+                   device: torch.device | None = None, manifest_fallback: Path | None = None) -> tuple[Predictor, dict]:
+    """The predictor of a fine-tuned model file, and the file's content (for provenance). Its ``predict``
+    record serves alone; ``manifest_path`` and ``metrics_path`` override the record's stored size and
+    dataset, and thresholds, and are needed for a model file without one (``manifest_fallback``: the
+    manifest to use then only)."""
     model, info = load_model(model_path, expect={"task": "multilabel"})   # checked: weights only, format, fields
     labels, run_id, crop = tuple(info["labels"]), info["run_id"], info["crop"]
-    stored, dataset = _read_manifest(Path(manifest_path), labels)
-    thresholds, cam_layer = read_thresholds(Path(metrics_path), labels, info, model)
-    device = device or torch.device("cpu")
-    model = model.to(device).eval()
-    return Predictor(model, labels, thresholds, run_id, Preprocess(stored, crop), dataset, device, cam_layer), info
+    record = info.get("predict")
+    if record is None and manifest_path is None:
+        manifest_path = manifest_fallback
+    for given, what in ((manifest_path, "--manifest (the stored image size)"),
+                        (metrics_path, "--metrics (the validation thresholds)")):
+        if given is None and record is None:
+            raise PredictInputError(f"{model_path}: no 'predict' record (a fine-tuning model.pt; evaluation writes "
+                                    f"results/evaluate/model.pt with one): give {what}")
+    if manifest_path is not None:
+        stored, dataset, synthetic = _read_manifest(Path(manifest_path), labels)
+    else:
+        stored, dataset, synthetic = record["stored_size"], info["dataset"], record["synthetic"]
+        if dataset not in registry.NAMES:
+            raise PredictInputError(f"{model_path}: dataset {dataset!r} is not known to this chexflow "
+                                    f"(known: {', '.join(registry.NAMES)}): its image files cannot be decoded")
+    if metrics_path is not None:
+        thresholds, cam_layer = read_thresholds(Path(metrics_path), labels, info, model)
+    else:
+        thresholds = {k: v for k, v in record["thresholds"].items() if v is not None}
+        cam_layer = _checked_layer(record["cam_layer"], model, f"{model_path}: predict.cam_layer")
+    mean, std = (record["mean"], record["std"]) if record is not None else (loader.MEAN, loader.STD)
+    sources = {"stored_size": str(manifest_path or model_path), "thresholds": str(metrics_path or model_path)}
+    model = model.to(device or torch.device("cpu")).eval()
+    return Predictor(model, labels, thresholds, run_id, Preprocess(stored, crop, mean, std), dataset,
+                     device or torch.device("cpu"), cam_layer, synthetic, sources), info
 
 
-def _read_manifest(path: Path, labels: tuple[str, ...]) -> tuple[int, str]:
+def _read_manifest(path: Path, labels: tuple[str, ...]) -> tuple[int, str, bool | None]:
     m = loader.read_manifest(path)
-    size, dataset = m.get("image_size"), m.get("dataset")
+    size, dataset, synthetic = m.get("image_size"), m.get("dataset"), m.get("synthetic")
+    if synthetic is not None and not isinstance(synthetic, bool):
+        raise PredictInputError(f"{path}: 'synthetic' must be true or false, got {synthetic!r}")
     if not isinstance(size, int) or not 1 <= size <= 65536:
         raise PredictInputError(f"{path}: 'image_size' must be a side in px, got {size!r}")
     if dataset not in registry.NAMES:
@@ -107,7 +137,7 @@ def _read_manifest(path: Path, labels: tuple[str, ...]) -> tuple[int, str]:
     if tuple(m.get("labels") or ()) != labels:
         raise PredictInputError(f"{path}: its labels {m.get('labels')} are not the model's {list(labels)} "
                                 "(the manifest of another dataset?)")
-    return size, dataset
+    return size, dataset, synthetic
 
 
 def read_thresholds(path: Path, labels: tuple[str, ...], info: dict,
@@ -138,11 +168,16 @@ def read_thresholds(path: Path, labels: tuple[str, ...], info: dict,
             raise PredictInputError(f"{path}: labels.{label}.threshold_val_youden must be a probability, got {thr!r}")
         out[label] = float(thr)
     layer = (metrics.get("localisation") or {}).get("layer") if isinstance(metrics.get("localisation"), dict) else None
+    return out, _checked_layer(layer, model, f"{path}: localisation.layer")
+
+
+def _checked_layer(layer, model: torch.nn.Module | None, what: str) -> str | None:
+    """``layer`` when it is None or a module of ``model``; else :class:`PredictInputError` naming ``what``."""
     if layer is not None and model is not None:
         names = {name for name, _ in model.named_modules() if name}
         if not isinstance(layer, str) or layer not in names:
-            raise PredictInputError(f"{path}: localisation.layer {layer!r} is not a layer of the model")
-    return out, layer
+            raise PredictInputError(f"{what} {layer!r} is not a layer of the model")
+    return layer
 
 
 def _both_nan(a, b) -> bool:

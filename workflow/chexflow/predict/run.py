@@ -1,6 +1,7 @@
 """``chexflow predict``: the fine-tuned model on PNG, JPEG and DICOM files, one CSV row per file.
 
-Each row: the file, its format, an error (empty when the file was read), the model's run id, the
+Each row: the file, its format, an error (empty when the file was read), the model's run id, whether
+its training data was synthetic (``synthetic_training_data``: true/false; also said in the log), the
 findings (labels whose probability reaches the threshold evaluation chose on validation), the 14
 probabilities (``<label>_score``, as evaluation's predictions.csv) and, with ``heatmaps``, the
 Grad-CAM PNG of the most likely finding. A file that cannot be read gets its reason in ``error``;
@@ -50,9 +51,11 @@ def batches(files: list[Path], reader: Reader, *, batch_size: int, workers: int)
                                        prefetch_factor=2 if workers > 0 else None)
 
 
-def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, out_csv: Path,
+def run(cfg: PredictConfig, *, model_path: Path, out_csv: Path, manifest: Path | None = None,
+        metrics: Path | None = None,
         inputs: Sequence[str | Path] = (), heatmap_dir: Path | None = None, progress: bool = True) -> pd.DataFrame:
-    """Predict on ``inputs`` (default: ``cfg.inputs``) and write ``out_csv``; returns its table.
+    """Predict on ``inputs`` (default: ``cfg.inputs``) and write ``out_csv``; returns its table. The model
+    file's predict record serves alone; ``manifest`` and ``metrics`` override it (``model.load_predictor``).
     Heatmaps (``cfg.heatmaps``) go to ``heatmap_dir`` (default: ``heatmaps/`` beside the CSV)."""
     files = list_inputs(inputs or cfg.inputs)
     predictor, _ = load_predictor(model_path, manifest, metrics, device=pick_device(cfg.device))
@@ -64,9 +67,12 @@ def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, 
         heat = Writer(predictor, Path(heatmap_dir) if heatmap_dir else out_csv.parent / "heatmaps", out_csv.parent)
     _log(f"model {model_path} (run {predictor.run_id}) on {predictor.device}; {len(files)} files; "
          f"preprocessing: {'; '.join(predictor.preprocess.describe()['steps'])}")
+    _log(f"stored size from {predictor.sources['stored_size']}, thresholds from {predictor.sources['thresholds']}")
+    _log_synthetic(predictor)
     unset = [label for label in predictor.labels if label not in predictor.thresholds]
     if unset:
-        _log(f"no validation threshold for {', '.join(unset)} ({metrics}): never listed as findings")
+        _log(f"no validation threshold for {', '.join(unset)} ({predictor.sources['thresholds']}): "
+             "never listed as findings")
     rows: list[dict] = []
     bar = tqdm(total=len(files), unit="img", desc="predict", disable=not progress, file=sys.stderr)
     for batch in batches(files, reader, batch_size=cfg.batch_size, workers=cfg.workers):
@@ -79,7 +85,16 @@ def run(cfg: PredictConfig, *, model_path: Path, manifest: Path, metrics: Path, 
     failed = table[table["error"] != ""]
     first = f" (first: {failed['file'].iloc[0]}: {failed['error'].iloc[0]})" if len(failed) else ""
     _log(f"{out_csv}: {len(table) - len(failed)} of {len(table)} files predicted, {len(failed)} not read{first}")
+    _log_synthetic(predictor)        # again last: the line a reader of the log's tail sees
     return table
+
+
+def _log_synthetic(predictor: Predictor) -> None:
+    if predictor.synthetic:
+        _log(f"WARNING: this model was trained on synthetic data ({predictor.dataset}): its scores and findings say "
+             "nothing about real radiographs (column synthetic_training_data)")
+    elif predictor.synthetic is None:
+        _log("whether the training data was synthetic is not recorded (column synthetic_training_data empty)")
 
 
 def predict_batch(predictor: Predictor, batch: list, files: list[Path], heat=None) -> list[dict]:
@@ -91,7 +106,9 @@ def predict_batch(predictor: Predictor, batch: list, files: list[Path], heat=Non
     drawn = heat.write([(i, px, files[i]) for i, px, _, _ in ok], probs) if heat is not None and ok else {}
     rows = []
     for i, _, fmt, error in batch:
-        row = {"file": str(files[i]), "format": fmt, "error": error, "run_id": predictor.run_id, "findings": ""}
+        row = {"file": str(files[i]), "format": fmt, "error": error, "run_id": predictor.run_id,
+               "synthetic_training_data": "" if predictor.synthetic is None else str(predictor.synthetic).lower(),
+               "findings": ""}
         if i in by_index:
             p = probs[by_index[i]]
             row["findings"] = ";".join(predictor.findings(p))
@@ -102,7 +119,7 @@ def predict_batch(predictor: Predictor, batch: list, files: list[Path], heat=Non
 
 
 def _table(rows: list[dict], predictor: Predictor, heatmaps: bool) -> pd.DataFrame:
-    columns = ["file", "format", "error", "run_id", "findings", *(["heatmap_label", "heatmap"] if heatmaps else []),
+    columns = ["file", "format", "error", "run_id", "synthetic_training_data", "findings", *(["heatmap_label", "heatmap"] if heatmaps else []),
                *(f"{label}_score" for label in predictor.labels)]
     table = pd.DataFrame(rows, columns=columns)
     text = [c for c in columns if not c.endswith("_score")]
