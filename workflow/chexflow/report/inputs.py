@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from chexflow.evaluate.record import MetricsRecordError, read_metrics
 from chexflow.report.errors import ReportInputError
 from chexflow.report.templating import hms
 
@@ -76,85 +77,31 @@ def read_json(path: Path, what: str) -> Any:
         raise ReportInputError(f"{what} {path} is not valid JSON: {exc}") from exc
 
 
-def _number_or_none(value: Any, path: Path, key: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ReportInputError(f"{path}: {key} must be a number or null, got {value!r}")
-    return None if math.isnan(float(value)) else float(value)
-
-
-def _ci_pair(value: Any, path: Path, key: str) -> list[float | None] | None:
-    if value is None:
-        return None
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ReportInputError(f"{path}: {key} must be [low, high] or null, got {value!r}")
-    return [_number_or_none(v, path, key) for v in value]
-
-
 def load_metrics_json(path: Path) -> dict[str, Any]:
-    """Evaluation metrics.json (contract format).
-
-    Optional extras that are shown when present: a per-label CI as ``ci_low``/``ci_high`` or
-    ``ci: [low, high]``; the mean's CI as top-level ``mean_auroc_ci`` or
-    ``bootstrap.mean_auroc_ci``; per-label ``threshold_val_youden`` with
-    ``test_operating_point`` (the dict of ``metrics.operating_point``).
-    """
-    data = read_json(path, "metrics.json")
-    if not isinstance(data, dict):
-        raise ReportInputError(f"{path}: top level must be an object")
-    for key in ("labels", "mean_auroc", "n_images", "n_patients"):
-        if key not in data:
-            raise ReportInputError(f"{path}: missing key {key!r}")
-    if not isinstance(data["labels"], dict) or not data["labels"]:
-        raise ReportInputError(f"{path}: 'labels' must be a non-empty object label -> {{auroc, n_pos, n_neg}}")
-    labels: dict[str, dict[str, Any]] = {}
-    for label, entry in data["labels"].items():
-        if not isinstance(entry, dict) or "auroc" not in entry:
-            raise ReportInputError(f"{path}: labels[{label!r}] must be an object with an 'auroc' key")
-        ci = _ci_pair(entry.get("ci"), path, f"labels[{label!r}].ci") or [
-            _number_or_none(entry.get("ci_low"), path, f"labels[{label!r}].ci_low"),
-            _number_or_none(entry.get("ci_high"), path, f"labels[{label!r}].ci_high")]
-        op = entry.get("test_operating_point")
-        if op is not None and not isinstance(op, dict):
-            raise ReportInputError(f"{path}: labels[{label!r}].test_operating_point must be an object")
-        labels[label] = {
-            "auroc": _number_or_none(entry["auroc"], path, f"labels[{label!r}].auroc"),
-            "n_pos": entry.get("n_pos"),
-            "n_neg": entry.get("n_neg"),
-            "ci_low": ci[0],
-            "ci_high": ci[1],
-            "val_operating_point": op,
-        }
-    boot = data.get("bootstrap") if isinstance(data.get("bootstrap"), dict) else {}
-    mean_ci = _ci_pair(data.get("mean_auroc_ci", boot.get("mean_auroc_ci")), path, "mean_auroc_ci")
-    for key in ("subgroups", "localisation", "underdiagnosis"):
-        if data.get(key) is not None and not isinstance(data[key], dict):
-            raise ReportInputError(f"{path}: {key} must be an object")
-    epoch = data.get("model_epoch")
-    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
-        raise ReportInputError(f"{path}: model_epoch must be an integer, got {epoch!r}")
+    """The evaluation's metrics.json, read through its record (``chexflow.evaluate.record``: one
+    format, the writer's), arranged for the views: per label ``ci_low``/``ci_high`` and the operating
+    point evaluation chose with its split; ``raw_labels``: the record's entries as written."""
+    try:
+        data = read_metrics(Path(path))
+    except MetricsRecordError as exc:
+        raise ReportInputError(str(exc)) from exc
+    labels = {label: {"auroc": e["auroc"], "n_pos": e.get("n_pos"), "n_neg": e.get("n_neg"),
+                      "ci_low": (e["ci"] or [None, None])[0], "ci_high": (e["ci"] or [None, None])[1],
+                      "operating_point": e.get("test_operating_point"), "operating_point_split": e.get("operating_point_split")}
+              for label, e in data["labels"].items()}
+    boot = data["bootstrap"]
     return {
         "labels": labels,
-        "mean_auroc": _number_or_none(data["mean_auroc"], path, "mean_auroc"),
-        "mean_auroc_ci": mean_ci if mean_ci and None not in mean_ci else None,
+        "mean_auroc": data["mean_auroc"],
+        "mean_auroc_ci": boot["mean_auroc_ci"],
         "n_images": data["n_images"],
         "n_patients": data["n_patients"],
         # what newer evaluations add (absent keys: the section says nothing)
-        "raw_labels": {label: entry for label, entry in data["labels"].items()},
-        "model_epoch": epoch,
-        "model_val_metric": _number_or_none(data.get("model_val_metric"), path, "model_val_metric"),
-        "model_init": data.get("model_init"),
-        "model_arch": data.get("model_arch"),
-        "model_seed": data.get("model_seed"),
-        "mean_rule": boot.get("mean_rule"),
-        "mean_resamples_used": boot.get("mean_resamples_used"),
-        "n_resamples": boot.get("n_resamples"),
-        "min_val_positives": data.get("min_val_positives"),
-        "calibration_bins": data.get("calibration_bins"),
-        "subgroups": data.get("subgroups"),
-        "localisation": data.get("localisation"),
-        "underdiagnosis": data.get("underdiagnosis"),
+        "raw_labels": data["labels"],
+        **{key: data.get(key) for key in ("model_epoch", "model_val_metric", "model_init", "model_arch", "model_seed",
+                                          "min_val_positives", "calibration_bins", "subgroups", "localisation",
+                                          "underdiagnosis")},
+        **{key: boot.get(key) for key in ("mean_rule", "mean_resamples_used", "n_resamples")},
     }
 
 

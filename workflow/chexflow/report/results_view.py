@@ -10,7 +10,7 @@ import pandas as pd
 from sklearn.metrics import auc, roc_curve
 
 from chexflow.evaluate import published
-from chexflow.evaluate.metrics import operating_point, precision_recall, youden_threshold
+from chexflow.evaluate.metrics import precision_recall
 from chexflow.report import plots
 from chexflow.report.templating import mean_of
 
@@ -74,43 +74,37 @@ def mean_row(rows: list[AurocRow], metrics: dict[str, Any], *, synthetic: bool =
 
 
 def roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]) -> dict[str, Any] | None:
-    """ROC curves from predictions.csv and operating points.
-
-    Operating points come from metrics.json (threshold chosen on the validation set) when it
-    has them; otherwise the Youden threshold is chosen on the test predictions themselves
-    (flagged as optimistic in the report).
-    """
-    val_ops = {lab: metrics["labels"][lab]["val_operating_point"] for lab in labels
-               if metrics["labels"][lab]["val_operating_point"]}
-    if df is None and not val_ops:
+    """ROC curves from predictions.csv and the operating points the evaluation chose and recorded,
+    each with the split its threshold was chosen on (``chexflow.evaluate.record``). The section's
+    source is "validation" when any threshold was chosen there, else "test" (optimistic)."""
+    entries = metrics["labels"]
+    splits = {entries[lab]["operating_point_split"] for lab in labels if entries[lab]["operating_point"]}
+    if df is None and not splits:
         return None
-    source = "validation" if val_ops else "test"
+    source = "validation" if "validation" in splits or not splits else "test"
     curves: dict[str, Any] = {}
     ops = []
     for lab in labels:
-        op = val_ops.get(lab)
+        op, split = entries[lab]["operating_point"], entries[lab]["operating_point_split"]
         if df is not None:
             known = df[lab].notna()
             t = df.loc[known, lab].to_numpy(dtype=float)
             s = df.loc[known, f"{lab}_score"].to_numpy(dtype=float)
             if np.unique(t).size == 2:
                 fpr, tpr, _ = roc_curve(t.astype(int), s)
-                if source == "test":
-                    op = operating_point(t, s, youden_threshold(t, s))
                 dot = None
                 if op and op.get("sensitivity") is not None and op.get("specificity") is not None:
                     dot = (1.0 - op["specificity"], op["sensitivity"])
                 curves[lab] = (fpr, tpr, float(auc(fpr, tpr)), dot)
         raw = metrics["raw_labels"][lab]
-        ops.append({"display": plots.display_name(lab), "op": op, "val_pos": raw.get("val_positives"),
+        ops.append({"display": plots.display_name(lab), "op": op, "split": split, "val_pos": raw.get("val_positives"),
                     "val_pos_patients": raw.get("val_positive_patients"),
-                    "few": bool(raw.get("threshold_few_positives")) and source == "validation"})
+                    "few": bool(raw.get("threshold_few_positives")) and split == "validation"})
     return {"plot": plots.roc_grid(curves) if curves else None, "operating_points": ops,
             "threshold_source": source, "min_val_positives": metrics.get("min_val_positives"),
-            "n_few": sum(o["few"] for o in ops),
+            "n_few": sum(o["few"] for o in ops), "n_test_chosen": sum(o["split"] == "test" for o in ops),
             "n_images": None if df is None else int(len(df)),
             "n_patients": None if df is None else int(df["patient"].nunique())}
-
 
 
 def calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: list[str]) -> dict[str, Any] | None:
