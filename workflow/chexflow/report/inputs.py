@@ -87,7 +87,8 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
         raise ReportInputError(str(exc)) from exc
     labels = {label: {"auroc": e["auroc"], "n_pos": e.get("n_pos"), "n_neg": e.get("n_neg"),
                       "ci_low": (e["ci"] or [None, None])[0], "ci_high": (e["ci"] or [None, None])[1],
-                      "operating_point": e.get("test_operating_point"), "operating_point_split": e.get("operating_point_split")}
+                      "operating_point": e.get("test_operating_point"),
+                      "operating_point_split": e.get("operating_point_split")}
               for label, e in data["labels"].items()}
     boot = data["bootstrap"]
     return {

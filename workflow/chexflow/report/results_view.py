@@ -97,8 +97,8 @@ def roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]
                     dot = (1.0 - op["specificity"], op["sensitivity"])
                 curves[lab] = (fpr, tpr, float(auc(fpr, tpr)), dot)
         raw = metrics["raw_labels"][lab]
-        ops.append({"display": plots.display_name(lab), "op": op, "split": split, "val_pos": raw.get("val_positives"),
-                    "val_pos_patients": raw.get("val_positive_patients"),
+        ops.append({"display": plots.display_name(lab), "op": op, "split": split,
+                    "val_pos": raw.get("val_positives"), "val_pos_patients": raw.get("val_positive_patients"),
                     "few": bool(raw.get("threshold_few_positives")) and split == "validation"})
     return {"plot": plots.roc_grid(curves) if curves else None, "operating_points": ops,
             "threshold_source": source, "min_val_positives": metrics.get("min_val_positives"),
@@ -109,7 +109,8 @@ def roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]
 
 def calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: list[str]) -> dict[str, Any] | None:
     raw = metrics["raw_labels"]
-    rows = [{"display": plots.display_name(lab), "auprc": raw[lab].get("auprc"), "prevalence": raw[lab].get("prevalence"),
+    rows = [{"display": plots.display_name(lab), "auprc": raw[lab].get("auprc"),
+             "prevalence": raw[lab].get("prevalence"),
              **{k: (raw[lab].get("calibration") or {}).get(k) for k in ("brier", "ece")}} for lab in labels]
     if all(r["auprc"] is None for r in rows):
         return None
