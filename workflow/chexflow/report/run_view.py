@@ -49,7 +49,7 @@ def release_text(manifest: dict[str, Any]) -> str:
 
 
 def run_view(config: dict[str, Any], manifests: dict[str, dict[str, Any]], pretrain: list[dict[str, Any]],
-              finetune: list[dict[str, Any]]) -> dict[str, Any]:
+             finetune: list[dict[str, Any]]) -> dict[str, Any]:
     """What was run, from the config, the manifests and the training logs: architectures,
     datasets, backends, world sizes, the split used and how much of the release."""
     study = config.get("study") or {}

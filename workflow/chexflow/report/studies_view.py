@@ -11,7 +11,7 @@ from chexflow.report.inputs import load_metrics_json, png_data_uri, read_csv, re
 
 def scaling_view(csv: Path, plot: Path | None) -> dict[str, Any]:
     df = read_csv(csv, "scaling table", ("world_size", "images_per_sec", "images_per_sec_per_rank", "speedup",
-                                          "efficiency", "time_per_epoch_s"))
+                                         "efficiency", "time_per_epoch_s"))
     return {"rows": records(df), "plot": png_data_uri(plot, "scaling plot") if plot else None,
             "baseline": int(df["world_size"].min()), "path": str(csv), "one_machine": _one_machine(df)}
 
