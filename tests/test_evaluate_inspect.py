@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 from scipy.stats import binomtest
-from sklearn.metrics import average_precision_score, brier_score_loss, roc_auc_score
+from sklearn.metrics import average_precision_score, brier_score_loss, roc_auc_score, roc_curve
 
 from chexflow.data import nih
 from chexflow.train import checkpoint as ckpt
@@ -66,11 +66,18 @@ def test_calibration_pr_and_npv_match_scikit_learn(evaluated):
         assert e["calibration"]["brier"] == pytest.approx(brier_score_loss(y, s), abs=1e-5)
         assert sum(b["count"] for b in e["calibration"]["bins"]) == len(y)
         if "test_operating_point" in e:
-            op, thr = e["test_operating_point"], e["threshold_val_youden"]
+            op = e["test_operating_point"]
+            if e["operating_point_split"] == "validation":
+                thr = e["threshold_val_youden"]
+                assert e["threshold_few_positives"] == (min(e["val_positives"], e["val_positive_patients"]) < 10)
+            else:                     # one class in validation: evaluation's fallback, Youden's J on test
+                assert e["operating_point_split"] == "test" and "threshold_val_youden" not in e
+                fpr, tpr, _ = roc_curve(y, s)
+                thr = op["threshold"]
+                assert op["sensitivity"] + op["specificity"] - 1 == pytest.approx(max(tpr - fpr), abs=1e-6)
             neg_pred = s < thr
             if neg_pred.sum() and abs(s - thr).min() > 1e-5:        # no score at the rounded threshold
                 assert op["npv"] == pytest.approx((y[neg_pred] == 0).mean())
-            assert e["threshold_few_positives"] == (min(e["val_positives"], e["val_positive_patients"]) < 10)
         assert e["n_pos_patients"] == pred.loc[known & (pred[label] == 1), "patient"].nunique()
         checked += 1
     assert checked >= 10

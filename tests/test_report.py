@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from chexflow.evaluate import published
+from chexflow.evaluate import published, record
 from chexflow.report import render
 
 LABELS = list(published.CHEXNET_AUROC)
@@ -57,13 +57,14 @@ def _make_inputs(tmp_path: Path) -> dict:
         pred[f"{lab}_score"] = score
         known = ~np.isnan(y)
         auroc = None if lab == "Hernia" else 0.70 + 0.01 * j
-        entry = {"auroc": auroc, "n_pos": int((y[known] == 1).sum()), "n_neg": int((y[known] == 0).sum())}
-        if auroc is not None:
-            entry.update(ci_low=auroc - 0.05, ci_high=auroc + 0.05)
+        entry = {"auroc": auroc, "n_pos": int((y[known] == 1).sum()), "n_neg": int((y[known] == 0).sum()),
+                 "ci": None if auroc is None else [auroc - 0.05, auroc + 0.05]}
+        # no validation predictions here: the evaluation's fallback, the threshold chosen on test
+        entry.update(record.choose_operating_point(np.zeros(0), np.zeros(0), y[known], score[known]))
         label_entries[lab] = entry
     defined = [e["auroc"] for e in label_entries.values() if e["auroc"] is not None]
-    metrics = {"labels": label_entries, "mean_auroc": float(np.mean(defined)), "mean_auroc_ci": [0.70, 0.80],
-               "n_images": n, "n_patients": n_patients}
+    metrics = {"labels": label_entries, "mean_auroc": float(np.mean(defined)), "n_images": n, "n_patients": n_patients,
+               "bootstrap": {"n_resamples": 1000, "seed": 0, "mean_auroc_ci": [0.70, 0.80]}}
     d = tmp_path / "in"
     d.mkdir()
     (d / "metrics.json").write_text(json.dumps(metrics))
@@ -229,21 +230,19 @@ def test_report_sections_content(report: str):
     assert "chosen on the test set" in report and "optimistic" in report
 
 
-def test_alternative_ci_keys_and_validation_operating_points(tmp_path: Path, inputs: dict):
-    """metrics.json with ``ci: [lo, hi]``, ``bootstrap.mean_auroc_ci`` and val-chosen operating points."""
+def test_validation_operating_points(tmp_path: Path, inputs: dict):
+    """metrics.json with val-chosen operating points (the CIs as ``ci: [lo, hi]``, ``bootstrap.mean_auroc_ci``)."""
     m = json.loads(inputs["metrics_json"].read_text())
     for lab, e in m["labels"].items():
-        lo, hi = e.pop("ci_low", None), e.pop("ci_high", None)
-        e["ci"] = None if lo is None else [lo, hi]
         if e["auroc"] is not None:
             e["threshold_val_youden"] = 0.5
+            e["operating_point_split"] = "validation"
             e["test_operating_point"] = {"threshold": 0.5, "sensitivity": 0.8, "specificity": 0.6, "ppv": 0.4,
                                          "npv": 0.9, "f1": 0.5333, "tp": 8, "fp": 12, "tn": 18, "fn": 2}
             few = lab == "Atelectasis"          # its threshold rests on 12 positive images of 4 patients
             e.update(val_positives=12 if few else 30, val_positive_patients=4 if few else 20,
                      threshold_few_positives=few)
     m["min_val_positives"] = 10
-    m["bootstrap"] = {"n_resamples": 1000, "seed": 0, "mean_auroc_ci": m.pop("mean_auroc_ci")}
     inputs["metrics_json"].write_text(json.dumps(m))
     out = tmp_path / "r.html"
     _render(out, {**inputs, "predictions_csv": None})
@@ -267,7 +266,8 @@ def test_no_banner_for_real_data(tmp_path: Path, inputs: dict):
     _render(out, {**inputs, "predictions_csv": None, "stage_benchmarks": None})
     html = out.read_text()
     assert "synthetic-banner" not in html and "SYNTHETIC demo data" not in html
-    assert 'id="roc"' not in html
+    # no predictions: no ROC curves, the operating points evaluation recorded all the same
+    assert "ROC curves per label" not in html and len(_table(html, "operating-points")["tbody"]) == 14
     rows = _table(html, "auroc-table")
     assert len(rows["tbody"]) == 14
     diff = rows["thead"][0].index("This run − CheXNet")      # real data: the difference, with its sign

@@ -4,7 +4,8 @@ heatmaps scored against the release's boxes.
 
 The model arriving here was selected on validation by the fine-tuning stage; the test split is
 used once, here, and never for selection. Operating points are chosen on validation (Youden's J)
-and then applied to test; a threshold resting on few validation positives is flagged.
+and then applied to test; a threshold resting on few validation positives is flagged; a finding
+with one class in validation falls back to a test-chosen point, recorded as such (``record``).
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import torch
 from chexflow.data import loader
 from chexflow.evaluate import localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
-from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, operating_point,
-                                       positives, precision_recall, youden_threshold)
+from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
+                                       precision_recall)
 from chexflow.evaluate.published import CHEXNET
+from chexflow.evaluate.record import LabelRecord, choose_operating_point
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model
 from chexflow.train.config import TrainConfig
@@ -127,12 +129,12 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
 # --------------------------------------------------------------------------- per finding
 
 def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray, patients: list[str],
-                 val: tuple, j: int, auroc: float | None, ci: list | None) -> dict:
-    """A finding's AUROC, CI, positives, AUPRC, calibration and the validation-chosen operating point."""
+                 val: tuple, j: int, auroc: float | None, ci: list | None) -> LabelRecord:
+    """A finding's AUROC, CI, positives, AUPRC, calibration and its operating point (``record``)."""
     known = ~np.isnan(yj)
     test_pos = positives(yj, patients)
-    entry = {"auroc": auroc, "n_pos": test_pos["images"], "n_neg": int((yj[known] == 0).sum()),
-             "n_pos_patients": test_pos["patients"], "ci": ci, "chexnet": CHEXNET.get(label)}
+    entry: LabelRecord = {"auroc": auroc, "n_pos": test_pos["images"], "n_neg": int((yj[known] == 0).sum()),
+                          "n_pos_patients": test_pos["patients"], "ci": ci, "chexnet": CHEXNET.get(label)}
     if len(np.unique(yj[known])) == 2:
         pr = precision_recall(yj, sj)
         entry.update(auprc=pr["auprc"], prevalence=pr["prevalence"],
@@ -142,10 +144,8 @@ def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray
     vpos = positives(vy, vpatients)
     entry["val_positives"] = vpos["images"]
     entry["val_positive_patients"] = vpos["patients"]
-    if len(np.unique(vy[vknown])) == 2 and len(np.unique(yj[known])) == 2:
-        thr = youden_threshold(vy[vknown], vs[vknown])
-        entry["threshold_val_youden"] = float(thr)
-        entry["test_operating_point"] = operating_point(yj[known], sj[known], thr)
+    entry.update(choose_operating_point(vy[vknown], vs[vknown], yj[known], sj[known]))
+    if entry.get("operating_point_split") == "validation":
         # the evidence the threshold rests on: images of one patient are not independent
         entry["threshold_few_positives"] = min(vpos["images"], vpos["patients"]) < cfg.min_val_positives
     return entry
@@ -257,7 +257,8 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
     _csv(out_dir / "calibration.csv", [
         {"label": L, "auprc": e.get("auprc"), "prevalence": e.get("prevalence"),
          "brier": (e.get("calibration") or {}).get("brier"), "ece": (e.get("calibration") or {}).get("ece"),
-         "threshold_val_youden": e.get("threshold_val_youden"), "val_positives": e["val_positives"],
+         "threshold_val_youden": e.get("threshold_val_youden"), "operating_point_split": e.get("operating_point_split"),
+         "val_positives": e["val_positives"],
          "val_positive_patients": e["val_positive_patients"],
          "threshold_few_positives": e.get("threshold_few_positives"),
          **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")}}

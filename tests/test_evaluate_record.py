@@ -1,0 +1,89 @@
+"""The evaluation's record (chexflow.evaluate.record): the operating point evaluation chooses and the
+split it records, and the reader that accepts the writer's one format only."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_curve
+
+from chexflow.evaluate import record
+
+
+def _youden(y: np.ndarray, s: np.ndarray) -> float:
+    """Independently: the finite ROC threshold with the largest TPR - FPR (first on ties)."""
+    fpr, tpr, thr = roc_curve(y, s)
+    j = [(tpr[k] - fpr[k], -k) for k in range(len(thr)) if np.isfinite(thr[k])]
+    return float(thr[-max(j)[1]])
+
+
+def _data(seed: int, n: int = 80) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < 0.3).astype(float)
+    y[:2] = [0.0, 1.0]
+    return y, y * 0.7 + rng.random(n)
+
+
+def _sens_spec(y: np.ndarray, s: np.ndarray, thr: float) -> tuple[float, float]:
+    pred = s >= thr
+    return float(pred[y == 1].mean()), float((~pred[y == 0]).mean())
+
+
+def test_threshold_chosen_on_validation_and_applied_to_test():
+    (vy, vs), (ty, ts) = _data(1), _data(2)
+    op = record.choose_operating_point(vy, vs, ty, ts)
+    assert op["operating_point_split"] == "validation"
+    assert op["threshold_val_youden"] == pytest.approx(_youden(vy, vs))
+    point = op["test_operating_point"]
+    assert point["threshold"] == op["threshold_val_youden"]
+    assert (point["sensitivity"], point["specificity"]) == pytest.approx(_sens_spec(ty, ts, point["threshold"]))
+
+
+def test_one_class_in_validation_falls_back_to_test_and_says_so():
+    ty, ts = _data(3)
+    op = record.choose_operating_point(np.zeros(10), np.linspace(0, 1, 10), ty, ts)
+    assert op["operating_point_split"] == "test" and "threshold_val_youden" not in op    # predict never applies it
+    assert op["test_operating_point"]["threshold"] == pytest.approx(_youden(ty, ts))
+    assert record.choose_operating_point(*_data(4), np.zeros(5), np.arange(5.0)) == {}    # one class in test
+
+
+def _write(tmp_path: Path, metrics: dict) -> Path:
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(metrics))
+    return path
+
+
+def _good() -> dict:
+    op = {"threshold": 0.4, "sensitivity": 0.8, "specificity": 0.7}
+    return {"labels": {"A": {"auroc": 0.8, "ci": [0.7, 0.9], "threshold_val_youden": 0.4, "test_operating_point": op,
+                             "operating_point_split": "validation"},
+                       "B": {"auroc": None, "ci": None}},
+            "mean_auroc": 0.8, "n_images": 10, "n_patients": 5,
+            "bootstrap": {"n_resamples": 10, "seed": 0, "mean_auroc_ci": [0.7, 0.9]}}
+
+
+def test_reader_takes_the_writers_format(tmp_path: Path):
+    m = record.read_metrics(_write(tmp_path, _good()))
+    assert m["labels"]["A"]["ci"] == [0.7, 0.9] and m["labels"]["B"]["ci"] is None
+    assert m["bootstrap"]["mean_auroc_ci"] == [0.7, 0.9]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: m["labels"]["A"].update(ci_low=0.7, ci_high=0.9) or m["labels"]["A"].pop("ci"),
+     r"labels\['A'\] has no 'ci' key"),
+    (lambda m: m.update(mean_auroc_ci=[0.7, 0.9]) or m.pop("bootstrap"), "missing key 'bootstrap'"),
+    (lambda m: m["bootstrap"].pop("mean_auroc_ci"), "bootstrap must be an object with mean_auroc_ci"),
+    (lambda m: m["labels"]["A"].update(ci=[0.7]), r"labels\['A'\]\.ci must be \[low, high\]"),
+    (lambda m: m["labels"]["A"].pop("operating_point_split"), "names the split"),
+    (lambda m: m["labels"]["A"].update(operating_point_split="train"), "names the split"),
+    (lambda m: m["labels"]["A"].pop("threshold_val_youden"), "needs threshold_val_youden"),
+    (lambda m: m["labels"]["A"].update(auroc="0.8"), r"auroc must be a number"),
+])
+def test_reader_refuses_anything_else_naming_the_key(tmp_path: Path, change, message: str):
+    m = _good()
+    change(m)
+    with pytest.raises(record.MetricsRecordError, match=message) as err:
+        record.read_metrics(_write(tmp_path, m))
+    assert str(tmp_path / "metrics.json") in str(err.value)

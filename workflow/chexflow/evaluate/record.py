@@ -1,0 +1,145 @@
+"""The evaluation's record, ``metrics.json``: its one format, the operating point evaluation chooses
+per finding, and the reader every consumer (the report, the studies) goes through.
+
+One format, the one ``evaluate.run`` writes: per finding ``ci`` is ``[low, high]`` or null; the
+mean's CI is ``bootstrap.mean_auroc_ci``. A finding's operating point is the evaluation's decision,
+recorded with the split its threshold was chosen on (``operating_point_split``):
+
+* ``"validation"``: Youden's J on the validation predictions (``threshold_val_youden``), applied to
+  test (``test_operating_point``); the threshold the predict stage uses;
+* ``"test"``: the fallback when validation holds one class of the finding but test holds both: the
+  Youden threshold of the test predictions themselves. It is optimistic (chosen and measured on the
+  same images) and is never written as ``threshold_val_youden``, so nothing downstream applies it;
+* no key (no operating point): one class in the test split.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, TypedDict
+
+import numpy as np
+
+from chexflow.evaluate.metrics import operating_point, youden_threshold
+
+Split = Literal["validation", "test"]
+SPLITS: tuple[Split, ...] = ("validation", "test")
+
+
+class OperatingPoint(TypedDict, total=False):
+    """A finding's operating point as ``metrics.json`` records it (keys absent: none chosen)."""
+    threshold_val_youden: float
+    test_operating_point: dict[str, Any]      # metrics.operating_point on the test split
+    operating_point_split: Split
+
+
+class LabelRecord(TypedDict, total=False):
+    """One finding of ``metrics.json`` ``labels``; absent when undefined: the AUPRC, prevalence and
+    calibration (one class in test), the operating point (see the module)."""
+    auroc: float | None
+    ci: list[float] | None                    # [low, high] of the patient bootstrap, or null
+    n_pos: int
+    n_neg: int
+    n_pos_patients: int
+    chexnet: float | None
+    auprc: float
+    prevalence: float
+    calibration: dict[str, Any]
+    val_positives: int
+    val_positive_patients: int
+    threshold_few_positives: bool             # a validation threshold on few positives
+    threshold_val_youden: float
+    test_operating_point: dict[str, Any]
+    operating_point_split: Split
+
+
+class MetricsRecordError(ValueError):
+    """A metrics.json that is not the evaluation's record (names the file and the key)."""
+
+
+def choose_operating_point(val_y: np.ndarray, val_s: np.ndarray, test_y: np.ndarray,
+                           test_s: np.ndarray) -> OperatingPoint:
+    """The operating point of one finding (arrays of known labels only): chosen on validation when
+    it holds both classes, else on test (the documented, optimistic fallback); none when test holds
+    one class."""
+    if np.unique(test_y).size < 2:
+        return {}
+    if np.unique(val_y).size == 2:
+        thr = youden_threshold(val_y, val_s)
+        return {"threshold_val_youden": float(thr), "test_operating_point": operating_point(test_y, test_s, thr),
+                "operating_point_split": "validation"}
+    thr = youden_threshold(test_y, test_s)
+    return {"test_operating_point": operating_point(test_y, test_s, thr), "operating_point_split": "test"}
+
+
+# --------------------------------------------------------------------------- reading
+def _number(value: Any, path: Path, key: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MetricsRecordError(f"{path}: {key} must be a number or null, got {value!r}")
+    return None if math.isnan(float(value)) else float(value)
+
+
+def _ci(value: Any, path: Path, key: str) -> list[float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise MetricsRecordError(f"{path}: {key} must be [low, high] or null, got {value!r}")
+    pair = [_number(v, path, key) for v in value]
+    return None if None in pair else pair
+
+
+def _check_label(label: str, entry: Any, path: Path) -> None:
+    where = f"labels[{label!r}]"
+    if not isinstance(entry, dict):
+        raise MetricsRecordError(f"{path}: {where} must be an object")
+    for key in ("auroc", "ci"):
+        if key not in entry:
+            raise MetricsRecordError(f"{path}: {where} has no {key!r} key (the evaluation writes 'auroc' and "
+                                     "'ci': [low, high] or null)")
+    entry["auroc"] = _number(entry["auroc"], path, f"{where}.auroc")
+    entry["ci"] = _ci(entry["ci"], path, f"{where}.ci")
+    op, split = entry.get("test_operating_point"), entry.get("operating_point_split")
+    if op is not None and not isinstance(op, dict):
+        raise MetricsRecordError(f"{path}: {where}.test_operating_point must be an object")
+    if (op is None) != (split is None) or (split is not None and split not in SPLITS):
+        raise MetricsRecordError(f"{path}: {where}: an operating point names the split its threshold was chosen on "
+                                 f"(operating_point_split: one of {list(SPLITS)}), got {split!r}")
+    if split == "validation" and "threshold_val_youden" not in entry:
+        raise MetricsRecordError(f"{path}: {where}: a validation operating point needs threshold_val_youden")
+
+
+def read_metrics(path: Path) -> dict[str, Any]:
+    """``metrics.json`` checked against the evaluation's format (the record as written, numbers as
+    float or None); anything else fails naming the file and the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise MetricsRecordError(f"metrics.json not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MetricsRecordError(f"metrics.json {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise MetricsRecordError(f"{path}: top level must be an object")
+    for key in ("labels", "mean_auroc", "n_images", "n_patients", "bootstrap"):
+        if key not in data:
+            raise MetricsRecordError(f"{path}: missing key {key!r}")
+    if not isinstance(data["labels"], dict) or not data["labels"]:
+        raise MetricsRecordError(f"{path}: 'labels' must be a non-empty object label -> {{auroc, ci, ...}}")
+    for label, entry in data["labels"].items():
+        _check_label(label, entry, path)
+    boot = data["bootstrap"]
+    if not isinstance(boot, dict) or "mean_auroc_ci" not in boot:
+        raise MetricsRecordError(f"{path}: bootstrap must be an object with mean_auroc_ci ([low, high] or null)")
+    boot["mean_auroc_ci"] = _ci(boot["mean_auroc_ci"], path, "bootstrap.mean_auroc_ci")
+    data["mean_auroc"] = _number(data["mean_auroc"], path, "mean_auroc")
+    data["model_val_metric"] = _number(data.get("model_val_metric"), path, "model_val_metric")
+    for key in ("subgroups", "localisation", "underdiagnosis"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise MetricsRecordError(f"{path}: {key} must be an object")
+    epoch = data.get("model_epoch")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
+        raise MetricsRecordError(f"{path}: model_epoch must be an integer, got {epoch!r}")
+    return data

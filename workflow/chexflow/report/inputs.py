@@ -1,0 +1,209 @@
+"""The report's inputs: their structure (``INPUTS``, the workflow's report_input_tree) and a reader per
+file that fails naming the file and what is wrong with it."""
+from __future__ import annotations
+
+import base64
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from chexflow.evaluate.record import MetricsRecordError, read_metrics
+from chexflow.report.errors import ReportInputError
+from chexflow.report.templating import hms
+
+# The structure of the report's inputs (``--inputs-json``; the workflow's report_input_tree): a
+# section's files by name. None: any name (benchmarks: stage -> TSV; ablation: run -> its files).
+INPUTS: dict[str, tuple[str, ...] | None] = {
+    "evaluation": ("metrics", "predictions", "saliency"),
+    "training": ("pretrain", "finetune"),
+    "manifests": ("pretrain", "finetune"),
+    "benchmarks": None,
+    "ablation": None,
+    "scaling": ("table", "plot"),
+    "sweep": ("table", "selection", "metrics"),
+}
+REQUIRED_INPUTS = (("evaluation", "metrics"), ("training", "pretrain"), ("training", "finetune"))
+ABLATION_RUN_FILES = ("metrics", "predictions", "training")
+
+
+def check_inputs(tree: Any) -> dict[str, Any]:
+    """The report's inputs (``INPUTS``) with every file as a ``Path``; an unknown section or name, a
+    missing required input or a value that is not a path fails naming it."""
+    if not isinstance(tree, dict):
+        raise ReportInputError(f"report inputs: expected an object of sections {list(INPUTS)}, "
+                               f"got {type(tree).__name__}")
+    out: dict[str, Any] = {}
+    for section, files in tree.items():
+        if section not in INPUTS:
+            raise ReportInputError(f"report inputs: unknown section {section!r}; known: {list(INPUTS)}")
+        if not isinstance(files, dict):
+            raise ReportInputError(f"report inputs: {section} must be an object name -> path")
+        names = INPUTS[section]
+        if section == "ablation":
+            out[section] = {run: _run_files(run, f) for run, f in files.items()}
+            continue
+        unknown = sorted(set(files) - set(names)) if names is not None else []
+        if unknown:
+            raise ReportInputError(f"report inputs: unknown {section} input(s) {unknown}; known: {list(names)}")
+        out[section] = {name: _path(f"{section}.{name}", v) for name, v in files.items()}
+    for section, name in REQUIRED_INPUTS:
+        if name not in out.get(section, {}):
+            raise ReportInputError(f"report inputs: {section}.{name} is required")
+    return out
+
+
+def _path(key: str, value: Any) -> Path:
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise ReportInputError(f"report inputs: {key} must be a path, got {value!r}")
+    return Path(value)
+
+
+def _run_files(run: str, files: Any) -> dict[str, Path]:
+    if not isinstance(files, dict) or set(files) != set(ABLATION_RUN_FILES):
+        raise ReportInputError(f"report inputs: ablation.{run} must name exactly {list(ABLATION_RUN_FILES)}")
+    return {k: _path(f"ablation.{run}.{k}", v) for k, v in files.items()}
+
+
+def read_json(path: Path, what: str) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{what} {path} is not valid JSON: {exc}") from exc
+
+
+def load_metrics_json(path: Path) -> dict[str, Any]:
+    """The evaluation's metrics.json, read through its record (``chexflow.evaluate.record``: one
+    format, the writer's), arranged for the views: per label ``ci_low``/``ci_high`` and the operating
+    point evaluation chose with its split; ``raw_labels``: the record's entries as written."""
+    try:
+        data = read_metrics(Path(path))
+    except MetricsRecordError as exc:
+        raise ReportInputError(str(exc)) from exc
+    labels = {label: {"auroc": e["auroc"], "n_pos": e.get("n_pos"), "n_neg": e.get("n_neg"),
+                      "ci_low": (e["ci"] or [None, None])[0], "ci_high": (e["ci"] or [None, None])[1],
+                      "operating_point": e.get("test_operating_point"),
+                      "operating_point_split": e.get("operating_point_split")}
+              for label, e in data["labels"].items()}
+    boot = data["bootstrap"]
+    return {
+        "labels": labels,
+        "mean_auroc": data["mean_auroc"],
+        "mean_auroc_ci": boot["mean_auroc_ci"],
+        "n_images": data["n_images"],
+        "n_patients": data["n_patients"],
+        # what newer evaluations add (absent keys: the section says nothing)
+        "raw_labels": data["labels"],
+        **{key: data.get(key) for key in ("model_epoch", "model_val_metric", "model_init", "model_arch", "model_seed",
+                                          "min_val_positives", "calibration_bins", "subgroups", "localisation",
+                                          "underdiagnosis")},
+        **{key: boot.get(key) for key in ("mean_rule", "mean_resamples_used", "n_resamples")},
+    }
+
+
+def load_metrics_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
+    """Per-epoch training metrics (one JSON object per line, contract keys)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} training metrics not found: {path}")
+    epochs = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReportInputError(f"{path}:{lineno}: not valid JSON: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ReportInputError(f"{path}:{lineno}: expected a JSON object per line")
+        missing = [k for k in ("epoch", "train_loss", "val_metric") if k not in obj]
+        if missing:
+            raise ReportInputError(f"{path}:{lineno}: missing key(s) {missing}")
+        epochs.append(obj)
+    if not epochs:
+        raise ReportInputError(f"{path}: no epochs recorded ({what} training metrics are empty)")
+    return epochs
+
+
+def load_manifest(path: Path, dataset: str) -> dict[str, Any]:
+    """Shard manifest (``data/shards/<dataset>/manifest.json``)."""
+    data = read_json(path, f"manifest of dataset {dataset!r}")
+    if not isinstance(data, dict):
+        raise ReportInputError(f"{path}: top level must be an object")
+    for key in ("splits", "labels"):
+        if key not in data:
+            raise ReportInputError(f"{path}: missing key {key!r}")
+    if not isinstance(data["splits"], dict) or not data["splits"]:
+        raise ReportInputError(f"{path}: 'splits' must be a non-empty object")
+    for split, info in data["splits"].items():
+        if not isinstance(info, dict) or "n_images" not in info:
+            raise ReportInputError(f"{path}: splits[{split!r}] must be an object with 'n_images'")
+    return data
+
+
+def load_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
+    """predictions.csv: image, patient, then per label ``L`` (0/1/empty) and ``L_score``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"predictions.csv not found: {path}")
+    try:
+        df = pd.read_csv(path, dtype={"image": str, "patient": str})
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{path}: cannot parse as CSV: {exc}") from exc
+    needed = ["image", "patient"] + [c for lab in labels for c in (lab, f"{lab}_score")]
+    missing = [c for c in needed if c not in df.columns]
+    if missing:
+        raise ReportInputError(f"{path}: missing column(s) {missing}")
+    for lab in labels:
+        for col in (lab, f"{lab}_score"):
+            if not pd.api.types.is_numeric_dtype(df[col]):
+                raise ReportInputError(f"{path}: column {col!r} is not numeric")
+    return df
+
+
+def load_benchmark(path: Path, stage: str) -> dict[str, Any]:
+    """Snakemake ``benchmark:`` file (TSV with header ``s  h:m:s  max_rss ...``); repeats averaged."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"benchmark file of stage {stage!r} not found: {path}")
+    try:
+        df = pd.read_csv(path, sep="\t", na_values=["-", "NA"])
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise ReportInputError(f"{path}: cannot parse Snakemake benchmark TSV: {exc}") from exc
+    if "s" not in df.columns or df.empty:
+        raise ReportInputError(f"{path}: expected a Snakemake benchmark TSV with an 's' column and a data row")
+    seconds = float(pd.to_numeric(df["s"], errors="coerce").mean())
+    rss = pd.to_numeric(df["max_rss"], errors="coerce").max() if "max_rss" in df.columns else float("nan")
+    return {"stage": stage, "seconds": seconds, "hms": hms(seconds), "repeats": int(len(df)),
+            "max_rss_mb": None if pd.isna(rss) else float(rss)}
+
+
+def read_csv(path: Path, what: str, columns: tuple[str, ...]) -> pd.DataFrame:
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} not found: {path}")
+    try:
+        df = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{path}: cannot parse as CSV: {exc}") from exc
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ReportInputError(f"{path}: missing column(s) {missing}")
+    return df
+
+
+def png_data_uri(path: Path, what: str) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"{what} not found: {path}")
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in json.loads(df.to_json(orient="records"))]
