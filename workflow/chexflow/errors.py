@@ -86,6 +86,8 @@ REFUSALS: dict[str, Refusal] = {
     "PredictInputError": Refusal(7, "pass the manifest and metrics.json the model was evaluated with"),
     "NoInputsError": Refusal(7, "name existing image files, folders or .txt lists"),
     "ReportInputError": Refusal(7, _REWRITE),
+    "MetricsRecordError": Refusal(7, _REWRITE),
+    "ModelFileInputError": Refusal(7, _REWRITE),
     "ScalingError": Refusal(7, _REWRITE),
     # downloads
     "DownloadError": Refusal(8, "check the mirror or the network, then run snakemake again: a partial download "
