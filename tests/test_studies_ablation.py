@@ -119,3 +119,36 @@ def test_ablation_rules_tiny(tmp_path, demo_manifest):
     assert metrics["model"] == "results/ablation/finetune/model.pt"
     auroc = (tmp_path / "results/ablation/evaluate/auroc.csv").read_text().splitlines()
     assert len(auroc) == 1 + 14 + 1 and auroc[-1].startswith("mean,")
+
+
+def test_a_weights_file_adds_the_third_arm_and_is_every_run_s_input(tmp_path):
+    """finetune.init_file set: the ablation runs random, own pretraining and the published weights
+    with the same budget; the file is an input of every job that starts from it (Snakemake tracks it)."""
+    weights = tmp_path / "densenet121-a639ec97.pth"
+    weights.write_bytes(b"the bytes do not matter to a dry run")
+    _, cfgfile = _config(tmp_path, init="pretrained", init_file=str(weights))
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    counts = job_counts(dry.stdout)
+    assert counts["finetune_seed"] == counts["evaluate_seed"] == 1 and counts["finetune_ablation"] == 1
+    block = dry.stdout.split("rule finetune_seed:", 1)[1].split("\n\n", 1)[0]
+    assert re.search(rf"input: .*{re.escape(str(weights))}", block)
+    shell = _shell_of(dry.stdout, "finetune_seed")
+    assert '"init": "file"' in shell and "--out-dir results/ablation/seed0/file/finetune" in shell
+    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
+    assert sorted(tree["ablation"]) == ["file_seed0", "pretrained_seed0", "random_seed0"]
+
+    # the main run from the file: its jobs (training and evaluation) take the file as input; the
+    # ablation adds random and own pretraining
+    _, cfgfile = _config(tmp_path, init="file", init_file=str(weights))
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    for rule in ("finetune_model", "evaluate_model"):
+        block = dry.stdout.split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+        assert re.search(rf"input: .*{re.escape(str(weights))}", block), rule
+    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
+    assert sorted(tree["ablation"]) == ["file_seed0", "pretrained_seed0", "random_seed0"]
+
+    weights.unlink()
+    bad = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile))
+    assert bad.returncode != 0 and f"finetune.init_file: {weights} does not exist" in bad.stdout + bad.stderr
