@@ -152,3 +152,34 @@ def test_a_weights_file_adds_the_third_arm_and_is_every_run_s_input(tmp_path):
     weights.unlink()
     bad = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile))
     assert bad.returncode != 0 and f"finetune.init_file: {weights} does not exist" in bad.stdout + bad.stderr
+
+
+@pytest.mark.slow
+def test_the_published_weights_arm_tiny(tmp_path, demo_manifest):
+    """The third arm trained from a torchvision-layout file and evaluated on test for real; new bytes
+    in the file make Snakemake run it again."""
+    from test_init_file import _torchvision_file
+
+    weights = tmp_path / "resnet18-f37072fd.pth"
+    cfg, cfgfile = _config(tmp_path, init="pretrained", init_file=str(weights), backend="single", epochs=1,
+                           batch_size=16)
+    _torchvision_file(weights, cfg["finetune"]["model"]["arch"])
+    cfg["finetune"]["data"].update(crop=32, workers=0, samples_per_epoch=64)
+    cfg["evaluate"]["bootstrap_resamples"] = 50
+    cfgfile.write_text(yaml.safe_dump(cfg))
+    shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/nih_demo")
+    target = "results/ablation/seed0/file/evaluate/metrics.json"
+    proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--set-resources", "finetune_seed:tasks=1",
+                      "--allowed-rules", "finetune_seed", "evaluate_seed", "--", target)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    trained = yaml.safe_load((tmp_path / "results/ablation/seed0/file/finetune/config.yaml").read_text())
+    assert trained["init"] == "file" and trained["init_file"] == str(weights) and trained["epochs"] == 1
+    log = (tmp_path / "logs/ablation/seed0/file/train.log").read_text()
+    assert f"backbone tensors from {weights}" in log
+    metrics = json.loads((tmp_path / target).read_text())
+    assert metrics["model_init"] == "file" and 0.0 <= metrics["mean_auroc"] <= 1.0
+    again = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile), "--", target)
+    assert "finetune_seed" not in job_counts(again.stdout)
+    _torchvision_file(weights, cfg["finetune"]["model"]["arch"], seed=1)       # new bytes, same name
+    again = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile), "--", target)
+    assert job_counts(again.stdout).get("finetune_seed") == 1, again.stdout[-3000:]
