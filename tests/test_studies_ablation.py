@@ -149,6 +149,16 @@ def test_a_weights_file_adds_the_third_arm_and_is_every_run_s_input(tmp_path):
     tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
     assert sorted(tree["ablation"]) == ["file_seed0", "pretrained_seed0", "random_seed0"]
 
+    # continued pretraining from the file: the pretraining job takes it as input
+    cfg = yaml.safe_load(cfgfile.read_text())
+    cfg["pretrain"].update(init="file", init_file=str(weights))
+    cfgfile.write_text(yaml.safe_dump(cfg))
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    block = dry.stdout.split("rule pretrain_model:", 1)[1].split("\n\n", 1)[0]
+    assert re.search(rf"input: .*{re.escape(str(weights))}", block)
+    assert '"init": "file"' in _shell_of(dry.stdout, "pretrain_model")
+
     weights.unlink()
     bad = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile))
     assert bad.returncode != 0 and f"finetune.init_file: {weights} does not exist" in bad.stdout + bad.stderr
