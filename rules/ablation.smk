@@ -4,6 +4,8 @@
 # otherwise), evaluated on test like the main run (without heatmaps: the report shows the main
 # model's). The report compares the mean AUROC of both. With ablation.seeds, every arm also runs
 # with each other seed (finetune_seed, evaluate_seed under results/ablation/seed<seed>/<init>/).
+# With finetune.init_file set, a third arm starts from that file (published weights) and runs as
+# finetune_seed/evaluate_seed for every seed, finetune.seed's included.
 
 
 use rule finetune_model as finetune_ablation with:
@@ -50,7 +52,7 @@ use rule finetune_model as finetune_seed with:
         "benchmarks/ablation/seed{seed}/{init}/train.tsv"
     wildcard_constraints:
         seed="[0-9]+",
-        init="random|pretrained",
+        init="random|pretrained|file",
     params:
         cfg=seed_config_json,
         tensorboard="logs/ablation/seed{seed}/{init}/tensorboard",
@@ -70,7 +72,7 @@ use rule evaluate_model as evaluate_seed with:
         "benchmarks/ablation/seed{seed}/{init}/evaluate.tsv"
     wildcard_constraints:
         seed="[0-9]+",
-        init="random|pretrained",
+        init="random|pretrained|file",
     params:
         train=seed_config_json,
         extra="--no-heatmaps",

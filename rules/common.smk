@@ -217,21 +217,32 @@ FINETUNE_INIT = _train.main_init(config)  # finetune.init of the main run (and t
 ABLATION_INIT = _train.other_init(config)  # the ablation's: the other one
 
 
-def pretrained_input(init):
-    """Named input `pretrained`: the pretraining model, for a fine-tuning run that starts from it."""
-    return {"pretrained": rules.pretrain_model.output.model} if init == "pretrained" else {}
+def start_inputs(stage, init):
+    """Named inputs of the weights a run of `stage` starts from, so that Snakemake tracks them:
+    `pretrained`, the pretraining model (init: pretrained), or `init_file`, the stage's weights file
+    (init: file); none from random init."""
+    if init == "pretrained":
+        return {"pretrained": rules.pretrain_model.output.model}
+    if init == "file":
+        return {"init_file": STUDY.train[stage].init_file}
+    return {}
+
+
+def pretrain_inputs(wildcards):
+    """Input function of pretrain_model: the data and, with pretrain.init: file, the weights file."""
+    return {"manifest": manifest(PRETRAIN_DATASET), **start_inputs("pretrain", STUDY.train["pretrain"].init)}
 
 
 def finetune_inputs(wildcards):
     """Input function of finetune_model, sweep_trial and their evaluations: the data and, only with
-    finetune.init: pretrained, the pretraining model (with init random they do not wait for it; the
-    evaluation needs it to compute the run id the model must carry)."""
-    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(FINETUNE_INIT)}
+    finetune.init: pretrained, the pretraining model, or with init: file the weights file (with init
+    random they do not wait for it; the evaluation needs it to compute the run id the model must carry)."""
+    return {"manifest": manifest(FINETUNE_DATASET), **start_inputs("finetune", FINETUNE_INIT)}
 
 
 def ablation_inputs(wildcards):
     """Input function of finetune_ablation and evaluate_ablation: like finetune_inputs, for the other init."""
-    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(ABLATION_INIT)}
+    return {"manifest": manifest(FINETUNE_DATASET), **start_inputs("finetune", ABLATION_INIT)}
 
 
 def pretrained_arg(wildcards, input):
@@ -242,7 +253,7 @@ def pretrained_arg(wildcards, input):
 def seed_inputs(wildcards):
     """Input function of finetune_seed and evaluate_seed: the data and, for the pretrained arm, the
     pretraining model."""
-    return {"manifest": manifest(FINETUNE_DATASET), **pretrained_input(wildcards.init)}
+    return {"manifest": manifest(FINETUNE_DATASET), **start_inputs("finetune", wildcards.init)}
 
 
 def seed_config_json(wildcards):

@@ -10,7 +10,7 @@
 
 rule pretrain_model:
     input:
-        manifest=manifest(PRETRAIN_DATASET),
+        unpack(pretrain_inputs),
     output:
         model="results/pretrain/model.pt",
         metrics="results/pretrain/metrics.jsonl",

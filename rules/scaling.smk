@@ -16,7 +16,7 @@
 
 rule scale_pretrain:
     input:
-        manifest=manifest(PRETRAIN_DATASET),
+        unpack(pretrain_inputs),
     output:
         "results/scaling/world{world}/throughput.json",
     log:

@@ -81,7 +81,8 @@ def test_run_keys_and_recipe_keys_are_a_partition():
     assert "optim.lr" not in shared and "data.crop" not in shared and "epochs" not in shared
     schema = C.study_schema()["properties"]
     assert set(schema["training"]["properties"]) == {k.split(".")[0] for k in shared}
-    assert "init" in schema["finetune"]["properties"] and "init" not in schema["pretrain"]["properties"]
+    assert "freeze" in schema["finetune"]["properties"] and "freeze" not in schema["pretrain"]["properties"]
+    assert {"init", "init_file"} <= set(schema["pretrain"]["properties"]) & set(schema["finetune"]["properties"])
     assert "backbone_lr_mult" not in schema["pretrain"]["properties"]["optim"]["properties"]
 
 
@@ -178,7 +179,11 @@ BAD = [
     ({"pretrain.data.crop": 128}, r"pretrain\.data\.crop: 128 is not <= shards\.nih_demo_pretrain\.image_size \(64\)"),
     ({"pretrain.epochs": 0}, r"pretrain\.epochs: 0 is not >= 1"),
     ({"pretrain.batch_size": 0}, r"pretrain\.batch_size: 0 is not >= 1"),
-    ({"pretrain.init": "pretrained"}, r"pretrain\.init: not allowed here \(fine-tuning only"),
+    ({"pretrain.init": "pretrained"}, r"pretrain\.init: pretrained is for fine-tuning"),
+    ({"pretrain.freeze": 1}, r"pretrain\.freeze: not allowed here \(fine-tuning only"),
+    ({"finetune.init": "file"}, r"finetune\.init_file: missing: init: file loads the starting weights"),
+    ({"finetune.init": "file", "finetune.init_file": "/nonexistent/densenet121.pth"},
+     r"finetune\.init_file: /nonexistent/densenet121\.pth does not exist"),
     ({"pretrain.schedule.warmup_epochs": 5}, r"pretrain\.schedule\.warmup_epochs: 5 is not <= pretrain\.epochs \(3\)"),
     ({"pretrain.model.dropout": 1.0}, r"pretrain\.model\.dropout: 1\.0 is not in \[0, 1\)"),
     ({"pretrain.data.augment.scale_min": 0}, r"pretrain\.data\.augment\.scale_min: 0\.0 is not in \(0, 1\]"),

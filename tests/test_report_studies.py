@@ -241,3 +241,52 @@ def test_ablation_verdict_over_seeds(tmp_path):
     assert f"over training seeds {mean - half:+.3f} to {mean + half:+.3f} (t-interval of the 3 per-seed gains)" in html
     assert "one training seed per arm" not in html
     assert len(_table(out.read_text(), "ablation-table")["tbody"]) == 6
+
+
+def test_ablation_third_arm_published_weights(tmp_path):
+    """init_file set: a third arm (published weights) with the same budget; the report shows published
+    weights vs random and own pretraining vs published weights, per seed and over seeds, each a paired
+    difference of the test mean AUROC checked against scikit-learn, with a verdict."""
+    import numpy as np
+    import pandas as pd
+    from sklearn.metrics import roc_auc_score
+
+    inputs = _make_inputs(tmp_path)
+    main = pd.read_csv(inputs["predictions_csv"], dtype={"image": str, "patient": str})
+    labels = json.loads(inputs["metrics_json"].read_text())["labels"]
+    rng = np.random.default_rng(5)
+    runs, mean_auroc = {}, {}
+    for seed in (0, 1):
+        for init, noise in (("pretrained", 0.1), ("file", 0.4), ("random", 3.0)):
+            d = tmp_path / f"{init}{seed}"
+            d.mkdir()
+            df = main.copy()
+            for lab in labels:
+                df[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=noise, size=len(main))
+            df.to_csv(d / "predictions.csv", index=False)
+            m = json.loads(inputs["metrics_json"].read_text())
+            m.update(model_init=init, model_seed=seed, model_epoch=2)
+            (d / "metrics.json").write_text(json.dumps(m))
+            runs[f"{init}_seed{seed}"] = {"metrics": d / "metrics.json", "predictions": d / "predictions.csv",
+                                          "training": inputs["finetune_metrics"]}
+            known = {lab: main[lab].notna() for lab in labels}
+            mean_auroc[init, seed] = np.mean([roc_auc_score(main.loc[known[lab], lab], df.loc[known[lab], f"{lab}_score"])
+                                              for lab in labels if main.loc[known[lab], lab].nunique() == 2])
+    inputs["config"] = {"finetune": {"init": "pretrained", "seed": 0, "init_file": "w.pth"},
+                        "evaluate": {"bootstrap_resamples": 200, "seed": 0}}
+    out = tmp_path / "r.html"
+    _render(out, _with_studies(inputs, {"ablation": runs}))
+    html = out.read_text()
+    rows = {r[0]: r for r in _table(html, "ablation-table")["tfoot"]}
+    assert len(_table(html, "ablation-table")["tbody"]) == 6
+    assert "Fine-tuned from published weights (init_file)" in html
+    for seed in (0, 1):
+        pub = rows[f"Published weights \u2212 random, seed {seed}"]
+        assert pub[2] == f"{mean_auroc['file', seed] - mean_auroc['random', seed]:+.4f}"
+        assert pub[-1] == "helps"           # noise 0.4 vs 3.0: far apart
+        own = rows[f"Pretraining \u2212 published weights, seed {seed}"]
+        assert own[2] == f"{mean_auroc['pretrained', seed] - mean_auroc['file', seed]:+.4f}"
+    over = rows["Pretraining \u2212 published weights, mean over seeds"]
+    gains = [mean_auroc["pretrained", s] - mean_auroc["file", s] for s in (0, 1)]
+    assert over[2] == f"{np.mean(gains):+.4f}"
+    assert "(seeds)" in over[3]

@@ -119,3 +119,77 @@ def test_ablation_rules_tiny(tmp_path, demo_manifest):
     assert metrics["model"] == "results/ablation/finetune/model.pt"
     auroc = (tmp_path / "results/ablation/evaluate/auroc.csv").read_text().splitlines()
     assert len(auroc) == 1 + 14 + 1 and auroc[-1].startswith("mean,")
+
+
+def test_a_weights_file_adds_the_third_arm_and_is_every_run_s_input(tmp_path):
+    """finetune.init_file set: the ablation runs random, own pretraining and the published weights
+    with the same budget; the file is an input of every job that starts from it (Snakemake tracks it)."""
+    weights = tmp_path / "densenet121-a639ec97.pth"
+    weights.write_bytes(b"the bytes do not matter to a dry run")
+    _, cfgfile = _config(tmp_path, init="pretrained", init_file=str(weights))
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    counts = job_counts(dry.stdout)
+    assert counts["finetune_seed"] == counts["evaluate_seed"] == 1 and counts["finetune_ablation"] == 1
+    block = dry.stdout.split("rule finetune_seed:", 1)[1].split("\n\n", 1)[0]
+    assert re.search(rf"input: .*{re.escape(str(weights))}", block)
+    shell = _shell_of(dry.stdout, "finetune_seed")
+    assert '"init": "file"' in shell and "--out-dir results/ablation/seed0/file/finetune" in shell
+    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
+    assert sorted(tree["ablation"]) == ["file_seed0", "pretrained_seed0", "random_seed0"]
+
+    # the main run from the file: its jobs (training and evaluation) take the file as input; the
+    # ablation adds random and own pretraining
+    _, cfgfile = _config(tmp_path, init="file", init_file=str(weights))
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    for rule in ("finetune_model", "evaluate_model"):
+        block = dry.stdout.split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+        assert re.search(rf"input: .*{re.escape(str(weights))}", block), rule
+    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
+    assert sorted(tree["ablation"]) == ["file_seed0", "pretrained_seed0", "random_seed0"]
+
+    # continued pretraining from the file: the pretraining job takes it as input
+    cfg = yaml.safe_load(cfgfile.read_text())
+    cfg["pretrain"].update(init="file", init_file=str(weights))
+    cfgfile.write_text(yaml.safe_dump(cfg))
+    dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    block = dry.stdout.split("rule pretrain_model:", 1)[1].split("\n\n", 1)[0]
+    assert re.search(rf"input: .*{re.escape(str(weights))}", block)
+    assert '"init": "file"' in _shell_of(dry.stdout, "pretrain_model")
+
+    weights.unlink()
+    bad = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile))
+    assert bad.returncode != 0 and f"finetune.init_file: {weights} does not exist" in bad.stdout + bad.stderr
+
+
+@pytest.mark.slow
+def test_the_published_weights_arm_tiny(tmp_path, demo_manifest):
+    """The third arm trained from a torchvision-layout file and evaluated on test for real; new bytes
+    in the file make Snakemake run it again."""
+    from test_init_file import _torchvision_file
+
+    weights = tmp_path / "resnet18-f37072fd.pth"
+    cfg, cfgfile = _config(tmp_path, init="pretrained", init_file=str(weights), backend="single", epochs=1,
+                           batch_size=16)
+    _torchvision_file(weights, cfg["finetune"]["model"]["arch"])
+    cfg["finetune"]["data"].update(crop=32, workers=0, samples_per_epoch=64)
+    cfg["evaluate"]["bootstrap_resamples"] = 50
+    cfgfile.write_text(yaml.safe_dump(cfg))
+    shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/nih_demo")
+    target = "results/ablation/seed0/file/evaluate/metrics.json"
+    proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--set-resources", "finetune_seed:tasks=1",
+                      "--allowed-rules", "finetune_seed", "evaluate_seed", "--", target)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    trained = yaml.safe_load((tmp_path / "results/ablation/seed0/file/finetune/config.yaml").read_text())
+    assert trained["init"] == "file" and trained["init_file"] == str(weights) and trained["epochs"] == 1
+    log = (tmp_path / "logs/ablation/seed0/file/train.log").read_text()
+    assert f"backbone tensors from {weights}" in log
+    metrics = json.loads((tmp_path / target).read_text())
+    assert metrics["model_init"] == "file" and 0.0 <= metrics["mean_auroc"] <= 1.0
+    again = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile), "--", target)
+    assert "finetune_seed" not in job_counts(again.stdout)
+    _torchvision_file(weights, cfg["finetune"]["model"]["arch"], seed=1)       # new bytes, same name
+    again = _snakemake(tmp_path, "-n", "--configfile", str(cfgfile), "--", target)
+    assert job_counts(again.stdout).get("finetune_seed") == 1, again.stdout[-3000:]

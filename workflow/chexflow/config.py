@@ -295,7 +295,7 @@ def _train_relations(s: Study, p: _Problems) -> None:
         p.add("finetune.model.arch", f"finetune.model.arch: {fine.model.arch!r} is not pretrain.model.arch "
                                      f"({pre.model.arch!r}): fine-tuning from the pretraining model loads its "
                                      "backbone tensor by tensor")
-    if s.ablation.enabled and fine.init == "random" and _stage_ok("finetune", p):
+    if s.ablation.enabled and fine.init != "pretrained" and _stage_ok("finetune", p):
         # the ablation fine-tunes the same section from the pretraining model
         for message in train_config.check(dataclasses.replace(fine, init="pretrained"), "finetune"):
             p.add("finetune", message)

@@ -19,6 +19,9 @@ from chexflow.evaluate import published
 from chexflow.evaluate.metrics import paired_bootstrap_auroc_diff, paired_bootstrap_over_seeds
 from chexflow.fsutil import write_text_atomic
 from chexflow.report import analyses, plots
+from chexflow.report.ablation_arms import aligned as _aligned
+from chexflow.report.ablation_arms import published_comparisons
+from chexflow.report.ablation_arms import verdict as _verdict
 from chexflow.report.errors import ReportInputError
 from chexflow.report.inputs import (INPUTS, check_inputs, load_benchmark, load_manifest, load_metrics_json,
                                     load_metrics_jsonl, load_predictions)
@@ -62,7 +65,8 @@ def limitations_of(ctx: dict[str, Any]) -> list[str]:
 
 # --------------------------------------------------------------------------- ablation
 def _arm_name(init: str) -> str:
-    names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init"}
+    names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init",
+             "file": "Fine-tuned from published weights (init_file)"}
     return names.get(init, init)
 
 
@@ -74,7 +78,7 @@ def _ablation_view(runs: dict[str, dict[str, Path]], labels: list[str], config: 
     for name, files in runs.items():
         m = load_metrics_json(files["metrics"])
         init, seed = m["model_init"], m["model_seed"]
-        if init not in ("pretrained", "random") or seed is None:
+        if init not in ("pretrained", "random", "file") or seed is None:
             raise ReportInputError(f"{files['metrics']}: names no init/seed of its model (model_init, model_seed)")
         loaded.append({"name": name, "init": init, "seed": int(seed), "metrics": m, "files": files,
                        "predictions": load_predictions(files["predictions"], labels),
@@ -103,7 +107,7 @@ def _ablation_view(runs: dict[str, dict[str, Path]], labels: list[str], config: 
     rows = [{"name": _arm_name(r["init"]), "init": r["init"], "seed": r["seed"],
              "mean_auroc": r["metrics"]["mean_auroc"], "ci": r["metrics"]["mean_auroc_ci"], "epoch": r["metrics"]["model_epoch"],
              "n_epochs": len(r["epochs"]), "where": str(r["files"]["metrics"].parent)}
-            for r in sorted(loaded, key=lambda r: (r["seed"], r["init"] != "pretrained"))]
+            for r in sorted(loaded, key=lambda r: (r["seed"], ("pretrained", "random", "file").index(r["init"])))]
     return {
         "rows": rows, "seeds": seeds, "per_seed": per_seed, "paired": first if len(seeds) == 1 else None,
         "over_seeds": None if over is None else {**over, **_verdict(over["ci"], over["t_ci"])},
@@ -111,27 +115,11 @@ def _ablation_view(runs: dict[str, dict[str, Path]], labels: list[str], config: 
         "other_training": None if other is None else _training_view(
             other["epochs"], f"Ablation: fine-tuning from {other['init']} init (seed {other['seed']})",
             tested=other["metrics"]),
-        "main_init": main_init, "other_init": "random" if main_init == "pretrained" else "pretrained",
+        "main_init": main_init, "other_init": "pretrained" if main_init == "random" else "random",
+        "published": published_comparisons(by, seeds, ref, labels, boot),
     }
 
 
-def _aligned(ref: pd.DataFrame, run: dict[str, Any]) -> pd.DataFrame:
-    """``run``'s predictions in the row order of ``ref`` (the same test images, or an error)."""
-    other = run["predictions"]
-    key = ["image", "patient"]
-    if len(other) != len(ref) or set(map(tuple, other[key].to_numpy())) != set(map(tuple, ref[key].to_numpy())):
-        raise ReportInputError(f"{run['files']['predictions']}: the ablation's predictions.csv holds other test images "
-                               "than the main run's: the paired comparison needs the same test split")
-    return other.set_index("image").loc[ref["image"]].reset_index()
-
-
-def _verdict(ci: list | None, t_ci: list | None = None) -> dict[str, Any]:
-    """helps / hurts when the CI(s) lie above / below zero, else inconclusive."""
-    bounds = [c for c in (ci, t_ci) if c]
-    lo = min(c[0] for c in bounds) if bounds else None
-    hi = max(c[1] for c in bounds) if bounds else None
-    verdict = "helps" if lo is not None and lo > 0 else "hurts" if hi is not None and hi < 0 else "inconclusive"
-    return {"ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None, "verdict": verdict}
 
 
 # --------------------------------------------------------------------------- entry point

@@ -11,6 +11,7 @@ does not change.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -101,7 +102,10 @@ class TrainConfig:
     stage: Literal["pretrain", "finetune"] = "pretrain"
     dataset: str = "fashion_mnist"
     backend: Literal["horovod", "ddp", "single"] = "horovod"
-    init: Literal["random", "pretrained"] = "random"   # finetune: start from the pretrain model
+    # random: train from scratch; pretrained (finetune only): the pretrain stage's model; file: the
+    # torchvision-format state dict at init_file (e.g. torchvision's ImageNet weights, train.init_file)
+    init: Literal["random", "pretrained", "file"] = "random"
+    init_file: str | None = None      # init: file: the weights file (its sha256 is part of the run id)
     epochs: int = setting(3, ge=1)
     batch_size: int = setting(64, ge=1)   # per rank; global batch = batch_size x world size
     seed: int = setting(0, ge=0)
@@ -135,10 +139,11 @@ RUN_KEYS = ("backend", "precision", "channels_last", "compile", "deterministic",
             "data.workers", "data.shuffle_buffer", "data.stage_to", "optim.implementation", "checkpoint",
             "horovod", "ddp")
 # Keys the workflow sets (from study.*), and keys only fine-tuning has (pretraining starts from random
-# weights: nothing to load, freeze or slow down)
+# weights or a weights file: nothing to freeze or slow down)
 WORKFLOW_KEYS = ("stage", "dataset")
-FINETUNE_ONLY = ("init", "freeze", "transfer_stages", "optim.backbone_lr_mult")
-INITS: tuple[str, ...] = typing.get_args(typing.get_type_hints(TrainConfig)["init"])   # random, pretrained
+FINETUNE_ONLY = ("freeze", "transfer_stages", "optim.backbone_lr_mult")
+INITS: tuple[str, ...] = typing.get_args(typing.get_type_hints(TrainConfig)["init"])   # random, pretrained, file
+ABLATION_INITS = ("random", "pretrained")   # the init ablation's two arms (a third, file, with init_file set)
 
 
 def stage_keys_excluded(stage: str) -> tuple[str, ...]:
@@ -191,15 +196,16 @@ def main_init(config: Mapping[str, Any]) -> str:
 
 
 def other_init(config: Mapping[str, Any]) -> str:
-    """The init ablation's: the one of ``INITS`` that the main fine-tuning run does not use."""
+    """The init ablation's: the one of ``ABLATION_INITS`` that the main fine-tuning run does not use
+    (random when the main run starts from a weights file)."""
     main = main_init(config)
-    return next(init for init in INITS if init != main)
+    return next(init for init in ABLATION_INITS if init != main)
 
 
 # --------------------------------------------------------------------------- relations
 
 # the keys :func:`check` relates (a caller checks them only when none of them is out of range itself)
-RELATED_KEYS = ("epochs", "batch_size", "init", "freeze", "transfer_stages", "schedule", "optim",
+RELATED_KEYS = ("epochs", "batch_size", "init", "init_file", "freeze", "transfer_stages", "schedule", "optim",
                 "data.samples_per_epoch", "horovod.backward_passes_per_step")
 
 
@@ -221,10 +227,28 @@ def check(cfg: TrainConfig, key: str) -> list[str]:
     if per_step >= 1 and cfg.data.samples_per_epoch is not None and cfg.data.samples_per_epoch < per_step:
         problems.append(f"{key}.data.samples_per_epoch: {cfg.data.samples_per_epoch} is not >= {per_step} "
                         f"(batch_size x horovod.backward_passes_per_step): not one step per epoch")
-    if cfg.init == "pretrained" and cfg.transfer_stages is not None and cfg.freeze > cfg.transfer_stages:
+    problems += init_file_problems(cfg, key)
+    if cfg.init != "random" and cfg.transfer_stages is not None and cfg.freeze > cfg.transfer_stages:
         problems.append(f"{key}.freeze: {cfg.freeze} is not <= {key}.transfer_stages ({cfg.transfer_stages}): "
                         "frozen stages beyond the transferred ones would keep their random weights")
     return problems
+
+
+def init_file_problems(cfg: TrainConfig, key: str) -> list[str]:
+    """``init: file`` needs ``init_file``, a regular file that exists now; pretraining has no model to start from."""
+    if cfg.stage == "pretrain" and cfg.init == "pretrained":
+        return [f"{key}.init: pretrained is for fine-tuning (the pretraining model); pretraining starts from "
+                "random or file"]
+    if cfg.init != "file" and cfg.init_file is None:
+        return []
+    if cfg.init == "file" and cfg.init_file is None:
+        return [f"{key}.init_file: missing: init: file loads the starting weights from it (a torchvision-format "
+                "state dict, e.g. torchvision's ImageNet densenet121 weights)"]
+    if not os.path.isfile(cfg.init_file):
+        what = "is not a regular file" if os.path.exists(cfg.init_file) else "does not exist"
+        return [f"{key}.init_file: {cfg.init_file} {what} (the starting weights' file; download it once, "
+                "see docs/training.md)"]
+    return []
 
 
 def check_stages_fit(arch: str, counts: Mapping[str, int]) -> list[str]:

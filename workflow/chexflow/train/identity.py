@@ -9,7 +9,8 @@ A run's id (:func:`run_id`) hashes three parts, each recorded in its checkpoints
 - ``data``: the dataset manifest's content that shapes training (:func:`data_summary`: dataset, task,
   labels, stored image size and encoding, and per split its image, patient and label counts and its
   shards' sha256 in order), canonical JSON; never the manifest's path or modification time;
-- ``weights``: the sha256 of the starting weights' file (``init: pretrained``), none from random init.
+- ``weights``: the sha256 of the starting weights' file (``init: pretrained``: the pretraining model;
+  ``init: file``: ``init_file``, whose path is therefore not part of ``settings``), none from random init.
 
 A checkpoint is resumed only by the run that wrote it; a run of the same settings and starting
 weights on other data starts afresh and says what changed (:func:`explain_fresh_start`).
@@ -29,7 +30,7 @@ from chexflow.train import checkpoint as ckpt
 from chexflow.train.config import TrainConfig
 
 # settings that do not change what a run computes (see the module docstring)
-_NOT_IDENTITY = {"": ("checkpoint", "check_every_steps", "ddp", "max_steps"), "data": ("stage_to",),
+_NOT_IDENTITY = {"": ("checkpoint", "check_every_steps", "ddp", "max_steps", "init_file"), "data": ("stage_to",),
                  "horovod": ("fusion_threshold_mb", "stage_through_cpu")}
 _OTHER_RUNS_READ = 4    # at most this many other runs' newest checkpoints are read to explain a fresh start
 
@@ -70,7 +71,7 @@ def data_summary(manifest: Path) -> dict:
 class Identity:
     settings: str           # sha256 of settings_of(cfg)
     data: str               # sha256 of data_summary(manifest)
-    weights: str | None     # sha256 of the starting weights' file (init: pretrained)
+    weights: str | None     # sha256 of the starting weights' file (init: pretrained or file)
     summary: dict           # data_summary(manifest): what a later run compares to say what changed
 
     @property
@@ -83,12 +84,25 @@ class Identity:
 
 
 def identity(cfg: TrainConfig, manifest: Path, pretrained: Path | None) -> Identity:
-    """The identity of a run of ``cfg`` on ``manifest`` from ``pretrained`` (ignored from random init)."""
-    if cfg.init == "pretrained" and pretrained is None:
-        raise ValueError(f"{cfg.stage}.init is pretrained: the run's identity needs the pretraining model file")
-    weights = sha256_file(pretrained) if cfg.init == "pretrained" else None
+    """The identity of a run of ``cfg`` on ``manifest`` from ``pretrained`` (init: pretrained) or
+    ``cfg.init_file`` (init: file); neither is read from random init."""
+    weights = starting_weights(cfg, pretrained)
+    weights = sha256_file(weights) if weights is not None else None
     summary = data_summary(manifest)
     return Identity(settings_digest(cfg), _digest(summary), weights, summary)
+
+
+def starting_weights(cfg: TrainConfig, pretrained: Path | None) -> Path | None:
+    """The file a run of ``cfg`` starts from: the pretraining model, ``init_file``, or none (random init)."""
+    if cfg.init == "pretrained":
+        if pretrained is None:
+            raise ValueError(f"{cfg.stage}.init is pretrained: the run's identity needs the pretraining model file")
+        return Path(pretrained)
+    if cfg.init == "file":
+        if cfg.init_file is None:
+            raise ValueError(f"{cfg.stage}.init is file: {cfg.stage}.init_file is missing")
+        return Path(cfg.init_file)
+    return None
 
 
 def settings_digest(cfg: TrainConfig) -> str:

@@ -35,7 +35,8 @@ from chexflow.train.backends import Backend, gather_arrays
 from chexflow.train.config import TrainConfig
 from chexflow.train.inputs import TrainData, stage_on_node
 from chexflow.train.losses import task_loss
-from chexflow.train.models import build_model, freeze_backbone, load_backbone, param_groups
+from chexflow.train.init_file import start_from
+from chexflow.train.models import build_model, freeze_backbone, param_groups
 from chexflow.train.schedule import build_optimizer, make_scheduler, scaled_lr, set_scheduler_step
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
@@ -147,7 +148,7 @@ class Trainer:
             _log(backend, f"frozen backbone stages (weights and BatchNorm statistics): {', '.join(names)}")
         model.to(self.device)
         # a backbone loaded from pretraining may learn slower than the new head (optim.backbone_lr_mult)
-        params = param_groups(model, backbone_lr_mult=cfg.optim.backbone_lr_mult if cfg.init == "pretrained" else 1.0)
+        params = param_groups(model, backbone_lr_mult=cfg.optim.backbone_lr_mult if cfg.init != "random" else 1.0)
         opt = build_optimizer(cfg.optim, params)
         sched = make_scheduler(opt, **self._schedule_args())
         return model, opt, sched
@@ -172,12 +173,8 @@ class Trainer:
             else:   # a fresh start: a best model of an earlier attempt is not this attempt's
                 self.best_path.unlink(missing_ok=True)
                 identity.explain_fresh_start(self.paths.ckpt_dir, self.identity, log)
-            if not found and cfg.init == "pretrained":
-                pre = ckpt.load_model_file(self.paths.pretrained, expect={"arch": cfg.model.arch})
-                loaded = load_backbone(model, pre["state_dict"], stages=cfg.transfer_stages,
-                                       source=str(self.paths.pretrained))
-                _log(backend, f"initialised {len(loaded)} backbone tensors from {self.paths.pretrained} "
-                              f"(of its {len(pre['state_dict'])}; model weights only; new head)")
+            if not found and cfg.init != "random":
+                log(start_from(model, cfg, self.paths.pretrained))
         meta = {"resumed": state is not None, "source": str(source) if source else None}
         if state is not None:
             meta.update({k: state.get(k) for k in ("step", "epoch", "step_in_epoch", "history", "best", "scheduler",
