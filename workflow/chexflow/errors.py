@@ -72,6 +72,7 @@ REFUSALS: dict[str, Refusal] = {
     "ResumeError": Refusal(6, "resume with the settings the checkpoint was written with, or delete the run's "
                               "checkpoints to start afresh"),
     "ModelError": Refusal(6, "use weights of the model.arch configured"),
+    "InitFileError": Refusal(6, "give init_file a torchvision-format state dict of the model.arch configured"),
     # input data
     "ManifestError": Refusal(7, _REWRITE),
     "ShardReadError": Refusal(7, _REWRITE),
