@@ -286,7 +286,7 @@ class Trainer:
         too (its row is the run's last, ``max_steps_stop``) but leaves the epoch open: its checkpoint
         resumes the epoch where it stopped, like an uninterrupted run."""
         cfg, backend = self.cfg, self.backend
-        self.backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
+        backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
         val_loss, val_metric, metric_name = validate(model, self.data, backend, self.device, bf16=self.bf16,
                                                      channels_last=self.channels_last)
         per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
