@@ -4,8 +4,9 @@ Recipe (PRACE guide, Goyal et al.): global batch = per-rank batch x world size, 
 linearly with gradual warmup, disjoint slices of the epoch's shuffled sample sequence per rank
 (every sample once per epoch, the same number of full batches on every rank), parameters
 (and, on resume, optimizer state) broadcast from rank 0, metrics averaged over ranks, only rank 0
-writes. Checkpoints every N steps and on SIGTERM/SIGUSR1 go to a directory that is not a declared
-Snakemake output; the declared outputs (model.pt, metrics.jsonl) appear only when training ends.
+writes. Checkpoints (every N steps, on SIGTERM/SIGUSR1: chexflow.train.cadence says when) go to a
+directory that is not a declared Snakemake output; the declared outputs (model.pt, metrics.jsonl)
+appear only when training ends.
 
 Randomness is a pure function of (seed, epoch, step, rank), so a run killed at any step and
 resumed from its checkpoint reproduces the uninterrupted run (bit-identical on CPU).
@@ -285,7 +286,7 @@ class Trainer:
         the checkpoint of an epoch's last step to this). A max_steps stop inside an epoch is validated
         too (its row is the run's last, ``max_steps_stop``) but leaves the epoch open: its checkpoint
         resumes the epoch where it stopped, like an uninterrupted run."""
-        cfg, backend = self.cfg, self.backend
+        backend = self.backend
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
         val_loss, val_metric, metric_name = validate(model, self.data, backend, self.device, bf16=self.bf16,
                                                      channels_last=self.channels_last)
@@ -352,8 +353,7 @@ class Trainer:
         return 0, {"train_loss": train_loss, "seen": seen, "elapsed": elapsed, "partial": (loss_sum, n_loss)}
 
     def _epoch_sums(self, prog: Progress) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """(loss sum, steps, any non-finite loss) of the epoch so far, on the device: a resumed epoch
-        continues the sum its checkpoint recorded."""
+        """(loss sum, steps, any non-finite loss) of the epoch so far on the device (a resume's from its checkpoint)."""
         loss_sum, n_loss = torch.zeros((), device=self.device), 0
         if prog.in_epoch and prog.partial:
             loss_sum += prog.partial["loss_sum"]
