@@ -4,8 +4,9 @@ Recipe (PRACE guide, Goyal et al.): global batch = per-rank batch x world size, 
 linearly with gradual warmup, disjoint slices of the epoch's shuffled sample sequence per rank
 (every sample once per epoch, the same number of full batches on every rank), parameters
 (and, on resume, optimizer state) broadcast from rank 0, metrics averaged over ranks, only rank 0
-writes. Checkpoints every N steps and on SIGTERM/SIGUSR1 go to a directory that is not a declared
-Snakemake output; the declared outputs (model.pt, metrics.jsonl) appear only when training ends.
+writes. Checkpoints (every N steps, on SIGTERM/SIGUSR1: chexflow.train.cadence says when) go to a
+directory that is not a declared Snakemake output; the declared outputs (model.pt, metrics.jsonl)
+appear only when training ends.
 
 Randomness is a pure function of (seed, epoch, step, rank), so a run killed at any step and
 resumed from its checkpoint reproduces the uninterrupted run (bit-identical on CPU).
@@ -19,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +31,16 @@ from chexflow.fsutil import write_text_atomic
 from chexflow.settings import to_dict, write_yaml_atomic
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import identity, lease, signals
-from chexflow.train import val_metrics as M
-from chexflow.train.backends import Backend, gather_arrays
+from chexflow.train.backends import Backend
+from chexflow.train.cadence import Cadence, Decision
 from chexflow.train.config import TrainConfig
 from chexflow.train.inputs import TrainData, stage_on_node
 from chexflow.train.losses import task_loss
 from chexflow.train.init_file import start_from
 from chexflow.train.models import build_model, freeze_backbone, param_groups
+from chexflow.train.progress import STATE_KEYS, Progress
 from chexflow.train.schedule import build_optimizer, make_scheduler, scaled_lr, set_scheduler_step
+from chexflow.train.validation import validate
 
 EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
 EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
@@ -72,20 +75,6 @@ class NoValidEpoch(RuntimeError):
     """The run validated no epoch with a finite metric: there is no model of this run to write."""
 
 
-@dataclass
-class Progress:
-    """Where the run stands; what a checkpoint restores."""
-    step: int = 0               # optimizer steps taken
-    epoch: int = 0              # completed epochs
-    in_epoch: int = 0           # optimizer steps taken in the current epoch
-    history: list = field(default_factory=list)
-    best: dict = field(default_factory=lambda: {"metric": -math.inf, "epoch": -1})
-    partial: dict | None = None  # resumed mid-epoch: that epoch's training loss so far
-    # stopped by max_steps inside an epoch: the validation row of the model at that step (kept out of
-    # `history` and `best`, so that a resume continues the epoch exactly as an uninterrupted run)
-    stopped: dict | None = None
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, paths: TrainPaths, backend: Backend,
                  device: torch.device | None = None) -> None:
@@ -93,9 +82,9 @@ class Trainer:
         # SIGTERM/SIGUSR1/SIGINT, caught since `chexflow train` started (chexflow.train.signals); the loop
         # acts on them at the next check, and at the first step for what arrived before training began
         self.signals = signals.install()
-        self.first_check_step = 1
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                      else torch.device("cpu"))
         self.device = device
         if self.device.type == "cpu":
             cores = len(os.sched_getaffinity(0))
@@ -109,12 +98,11 @@ class Trainer:
         self.bpps = cfg.horovod.backward_passes_per_step
         # reads the manifest only; staging to node-local disk (a collective) happens in fit()
         self.data = TrainData.build(cfg, paths.manifest, rank=backend.rank, world=backend.size)
-        self.total_steps = cfg.epochs * self.steps_per_epoch
+        # when the loop checks, saves and stops (the first check moves to a resumed run's first step in _fit)
+        self.cadence = Cadence.of(cfg, self.steps_per_epoch)
         # what shapes the result (settings, the manifest's content, the starting weights): chexflow.train.identity
         self.identity = identity.identity(cfg, paths.manifest, paths.pretrained)
         self.run_id = self.identity.run_id
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
         self.frozen: list[torch.nn.Module] = []
 
     @property
@@ -177,14 +165,11 @@ class Trainer:
                 log(start_from(model, cfg, self.paths.pretrained))
         meta = {"resumed": state is not None, "source": str(source) if source else None}
         if state is not None:
-            meta.update({k: state.get(k) for k in ("step", "epoch", "step_in_epoch", "history", "best", "scheduler",
-                                                   "partial", "stopped", "world_size")})
+            meta.update({k: state.get(k) for k in STATE_KEYS + ("scheduler", "world_size")})
         meta = backend.broadcast_object(meta)
         prog = Progress()
         if meta["resumed"]:
-            prog = Progress(step=meta["step"], epoch=meta["epoch"], in_epoch=meta["step_in_epoch"],
-                            history=list(meta["history"] or []), best=meta["best"] or prog.best,
-                            partial=meta["partial"], stopped=meta["stopped"])
+            prog = Progress.from_state(meta)
             backend.broadcast_optimizer(opt)
             written_by = meta.get("world_size") or backend.size
             if written_by != backend.size:
@@ -208,9 +193,7 @@ class Trainer:
                 f"to resume with the position and LR recomputed for {size} ranks, or remove "
                 f"{Path(source).parent} to start afresh.")
         samples_done = prog.in_epoch * self.cfg.batch_size * self.bpps * written_by
-        prog.in_epoch = min(samples_done // self.global_batch, self.steps_per_epoch)
-        prog.step = prog.epoch * self.steps_per_epoch + prog.in_epoch
-        prog.partial = None
+        prog.remap(samples_done=samples_done, global_batch=self.global_batch, steps_per_epoch=self.steps_per_epoch)
         set_scheduler_step(sched, prog.step)
         _log(self.backend, f"checkpoint {source} was written by {written_by} ranks, this run has {size} "
                            f"(checkpoint.on_world_change: remap): {samples_done} samples of epoch "
@@ -271,7 +254,7 @@ class Trainer:
                           f"{cfg.data.stage_to}")
         model, opt, sched = self._build()
         prog = self._restore(model, opt, sched)
-        self.first_check_step = prog.step + 1     # a signal received before training is honoured here
+        self.cadence = self.cadence.starting_at(prog.step)   # a signal received before training is honoured here
         model, opt = self._prepare(model, opt)
         _log(backend, f"{cfg.stage}: world {backend.size} ({backend.name}), per-rank batch {cfg.batch_size}"
                       f"{f' x {self.bpps} backward passes' if self.bpps > 1 else ''}, global batch "
@@ -282,19 +265,13 @@ class Trainer:
                       f"{', compiled' if cfg.compile else ''}")
         writer = self._tensorboard()
         stream = self.data.train_stream()
-        while prog.epoch < cfg.epochs and (prog.step < self.total_steps or self._unvalidated(prog)):
+        while prog.epoch < cfg.epochs and (prog.step < self.cadence.total_steps or prog.unvalidated()):
             code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
             if code:
                 return code
             self._end_epoch(model, opt, sched, prog, stats, writer)
         self._finish(model, prog)
         return 0
-
-    @staticmethod
-    def _unvalidated(prog: Progress) -> bool:
-        """Steps taken in the current epoch that no validation has seen: a checkpoint written at the
-        run's last step on a signal, resumed (the loop has no step left; it still has to validate)."""
-        return prog.in_epoch > 0 and (prog.stopped or {}).get("step") != prog.step
 
     @property
     def best_path(self) -> Path:
@@ -306,8 +283,10 @@ class Trainer:
         the checkpoint of an epoch's last step to this). A max_steps stop inside an epoch is validated
         too (its row is the run's last, ``max_steps_stop``) but leaves the epoch open: its checkpoint
         resumes the epoch where it stopped, like an uninterrupted run."""
-        cfg, backend = self.cfg, self.backend
-        val_loss, val_metric, metric_name = self.validate(model)
+        backend = self.backend
+        backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
+        val_loss, val_metric, metric_name = validate(model, self.data, backend, self.device, bf16=self.bf16,
+                                                     channels_last=self.channels_last)
         per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
         complete = prog.in_epoch >= self.steps_per_epoch
         row = {"epoch": prog.epoch + 1, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
@@ -317,9 +296,8 @@ class Trainer:
         if not complete:
             row["max_steps_stop"] = True
         _log(backend, json.dumps(row))
-        if writer is not None:
-            for k in ("train_loss", "val_loss", "val_metric", "images_per_sec"):
-                writer.add_scalar(f"{cfg.stage}/{k}", row[k], prog.step)
+        self._scalars(writer, prog.step, **{k: row[k] for k in ("train_loss", "val_loss", "val_metric",
+                                                                 "images_per_sec")})
         if not complete:
             prog.stopped = row
             self._save(model, opt, sched, prog, partial=stats["partial"])
@@ -335,69 +313,73 @@ class Trainer:
         self._save(model, opt, sched, prog)
 
     def train_one_epoch(self, model, opt, sched, stream, prog: Progress, writer) -> tuple[int, dict]:
-        """Steps of epoch ``prog.epoch`` from step ``prog.in_epoch`` on. Returns (exit code, stats):
-        0 when the epoch ended, EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
-        cfg, backend, device = self.cfg, self.backend, self.device
+        """Steps of epoch ``prog.epoch`` from step ``prog.in_epoch`` on: step, maybe check, maybe save, maybe
+        stop (chexflow.train.cadence decides). Returns (exit code, stats): 0 when the epoch ended,
+        EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
         stream.set_epoch(prog.epoch, skip_batches=prog.in_epoch * self.bpps)   # resume: batches not yet used
-        loader = self.data.loader(stream, pin_memory=device.type == "cuda")
+        batches = iter(self.data.loader(stream, pin_memory=self.device.type == "cuda"))
         self._train_mode(model)
-        t0, seen = time.perf_counter(), 0
-        loss_sum, n_loss = torch.zeros((), device=device), 0
-        nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-        if prog.in_epoch and prog.partial:      # resumed mid-epoch: the epoch's loss so far
-            loss_sum += prog.partial["loss_sum"]
-            n_loss = prog.partial["n"]
-        bar = tqdm(total=self.steps_per_epoch, initial=prog.in_epoch, disable=not backend.is_root,
-                   desc=f"{cfg.stage} epoch {prog.epoch + 1}/{cfg.epochs}", mininterval=5, file=sys.stderr)
-        batches = iter(loader)
-        code = 0
-        while prog.in_epoch < self.steps_per_epoch and prog.step < self.total_steps:
+        loss_sum, n_loss, nonfinite = self._epoch_sums(prog)
+        bar, t0, start, code = self._progress_bar(prog), time.perf_counter(), prog.in_epoch, 0
+        while self.cadence.more(prog.step, prog.in_epoch):
             loss = self.train_step(model, opt, batches, prog)
             sched.step()
             loss_sum += loss
             nonfinite |= ~torch.isfinite(loss)           # stays on the device: no host sync here
             n_loss += 1
-            seen += cfg.batch_size * self.bpps
             prog.step += 1
             prog.in_epoch += 1
             bar.update(1)
-            periodic = cfg.checkpoint.every_steps > 0 and prog.step % cfg.checkpoint.every_steps == 0
-            last = prog.in_epoch == self.steps_per_epoch or prog.step == self.total_steps
-            first = prog.step == self.first_check_step
-            if not (periodic or last or first or prog.step % max(cfg.check_every_steps, 1) == 0):
+            if not self.cadence.check_due(prog.step, prog.in_epoch):
                 continue
             sig, bad = self._agree(nonfinite)             # the host sync, every check_every_steps steps
-            if writer is not None:
-                writer.add_scalar(f"{cfg.stage}/train_loss", float(loss), prog.step)
-                writer.add_scalar(f"{cfg.stage}/lr", sched.get_last_lr()[0], prog.step)
-            if bad:     # every rank sees the same flag and leaves together (no hang in a collective)
-                _log(backend, f"non-finite training loss by step {prog.step} (epoch {prog.epoch + 1}): diverged, "
-                              "no model written")
-                if backend.is_root:     # what a sweep trial records as its outcome
-                    write_text_atomic(Path(self.paths.out_dir) / DIVERGED_MARKER,
-                                      json.dumps({"step": prog.step, "epoch": prog.epoch + 1, "stage": cfg.stage}))
-                code = EXIT_DIVERGED
-                break
-            stop = sig and sig != signal.SIGUSR1
-            if stop or ((sig or periodic) and not last):    # at `last`, _end_epoch writes the checkpoint
+            self._scalars(writer, prog.step, train_loss=float(loss), lr=sched.get_last_lr()[0])
+            act = self.cadence.decide(prog.step, prog.in_epoch, signal_received=sig, diverged=bool(bad))
+            if act.save:
                 self._save(model, opt, sched, prog, partial=(loss_sum, n_loss))
-            if sig:
-                name = signal.Signals(sig).name
-                if sig == signal.SIGUSR1:
-                    _log(backend, f"{name} received: checkpoint written at step {prog.step}; continuing")
-                    self.signals.received = 0
-                else:
-                    _log(backend, f"{name} received: checkpoint written at step {prog.step}; exiting so a "
-                                  "rerun resumes from it")
-                    code = EXIT_PREEMPTED
-                    break
+            code = self._acknowledge(act, sig, prog)
+            if act.stop:    # every rank sees the same flags and leaves together (no hang in a collective)
+                break
         bar.close()
-        del batches, loader
+        del batches
         if code:
             return code, {}
         elapsed = time.perf_counter() - t0
-        train_loss = float(backend.allreduce_mean((loss_sum / max(n_loss, 1)).reshape(1).cpu()).item())
+        train_loss = float(self.backend.allreduce_mean((loss_sum / max(n_loss, 1)).reshape(1).cpu()).item())
+        seen = (prog.in_epoch - start) * self.cfg.batch_size * self.bpps
         return 0, {"train_loss": train_loss, "seen": seen, "elapsed": elapsed, "partial": (loss_sum, n_loss)}
+
+    def _epoch_sums(self, prog: Progress) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(loss sum, steps, any non-finite loss) of the epoch so far on the device (a resume's from its checkpoint)."""
+        loss_sum, n_loss = torch.zeros((), device=self.device), 0
+        if prog.in_epoch and prog.partial:
+            loss_sum += prog.partial["loss_sum"]
+            n_loss = prog.partial["n"]
+        return loss_sum, n_loss, torch.zeros((), dtype=torch.bool, device=self.device)
+
+    def _progress_bar(self, prog: Progress) -> tqdm:
+        return tqdm(total=self.steps_per_epoch, initial=prog.in_epoch, disable=not self.backend.is_root,
+                    desc=f"{self.cfg.stage} epoch {prog.epoch + 1}/{self.cfg.epochs}", mininterval=5, file=sys.stderr)
+
+    def _acknowledge(self, act: Decision, sig: int, prog: Progress) -> int:
+        """Say what a check found (the divergence marker, the signal acted on); the exit code of a stop, else 0."""
+        if act.stop == "diverged":
+            _log(self.backend, f"non-finite training loss by step {prog.step} (epoch {prog.epoch + 1}): diverged, "
+                               "no model written")
+            if self.backend.is_root:     # what a sweep trial records as its outcome
+                write_text_atomic(Path(self.paths.out_dir) / DIVERGED_MARKER,
+                                  json.dumps({"step": prog.step, "epoch": prog.epoch + 1, "stage": self.cfg.stage}))
+            return EXIT_DIVERGED
+        if not sig:
+            return 0
+        name = signal.Signals(sig).name
+        if act.stop:
+            _log(self.backend, f"{name} received: checkpoint written at step {prog.step}; exiting so a rerun "
+                               "resumes from it")
+            return EXIT_PREEMPTED
+        _log(self.backend, f"{name} received: checkpoint written at step {prog.step}; continuing")
+        self.signals.received = 0
+        return 0
 
     def train_step(self, model, opt, batches, prog: Progress) -> torch.Tensor:
         """One optimizer step (``bpps`` backward passes); returns the detached mean loss on the device."""
@@ -428,6 +410,12 @@ class Trainer:
         return int(flags[0].item()), int(flags[1].item())
 
     # ------------------------------------------------------------------ pieces
+    def _scalars(self, writer, step: int, **values: float) -> None:
+        """TensorBoard scalars of the stage at ``step`` (rank 0, when asked for)."""
+        if writer is not None:
+            for name, value in values.items():
+                writer.add_scalar(f"{self.cfg.stage}/{name}", value, step)
+
     def _tensorboard(self):
         if not self.backend.is_root or self.paths.tensorboard is None:
             return None
@@ -436,35 +424,6 @@ class Trainer:
         except ImportError:
             return None
         return SummaryWriter(log_dir=str(self.paths.tensorboard))
-
-    def validate(self, model) -> tuple[float, float, str]:
-        """Validation loss and metric (accuracy | mean AUROC) over every rank's share of the split."""
-        backend, device = self.backend, self.device
-        loader = self.data.val_loader(pin_memory=device.type == "cuda")
-        backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
-        model.eval()
-        scores, targets_all = [], []
-        loss_sum, count = torch.zeros((), device=device), 0
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            for images, targets, _ in loader:
-                x = self.data.augment(images.to(device, non_blocking=True), train=False, generator=None,
-                                      channels_last=self.channels_last)
-                logits = model(x).float()
-                loss_sum += task_loss(self.task, logits, targets.to(device, non_blocking=True)) * images.shape[0]
-                count += images.shape[0]
-                scores.append(logits)               # stays on the device until the split is done
-                targets_all.append(targets)
-        n_classes = len(self.labels)
-        local_scores = torch.cat(scores).cpu().numpy() if scores else np.zeros((0, n_classes), np.float32)
-        local_targets = (torch.cat(targets_all).numpy() if targets_all
-                         else np.zeros((0,) if self.task == "multiclass" else (0, n_classes)))
-        tot = backend.allgather_object((float(loss_sum), count))
-        val_loss = sum(t[0] for t in tot) / max(sum(t[1] for t in tot), 1)
-        s, t = gather_arrays(backend)([local_scores, local_targets])
-        if self.task == "multiclass":
-            return val_loss, M.top1_accuracy(s, t), "accuracy"
-        per = M.auroc_per_label(t.astype(np.float64), s, list(self.labels))
-        return val_loss, float(M.mean_auroc(per)), "mean_auroc"
 
     def _model_file(self, sd: dict, row: dict) -> dict:
         """The model file of the weights ``sd`` as validated in ``row`` (its epoch and validation metric)."""
@@ -485,9 +444,7 @@ class Trainer:
             return
         state = {"model": _weights(model), "identity": self.identity.record(),
                  "optimizer": ckpt.to_cpu(opt.state_dict()), "scheduler": sched.state_dict(),
-                 "step": prog.step, "epoch": prog.epoch, "step_in_epoch": prog.in_epoch,
-                 "history": prog.history, "best": prog.best, "partial": part,
-                 "stopped": prog.stopped if (prog.stopped or {}).get("step") == prog.step else None,
+                 **prog.state(partial=part),
                  "world_size": self.backend.size, "config": to_dict(self.cfg), "run_id": self.run_id}
         path = ckpt.save_checkpoint(self.paths.ckpt_dir, prog.step, state, keep=self.cfg.checkpoint.keep)
         _log(self.backend, f"checkpoint {path} (step {prog.step})")
@@ -512,7 +469,7 @@ class Trainer:
     def _finish(self, model, prog: Progress) -> None:
         """Write the run's declared outputs: model.pt is the best validated model of this run (the
         best epoch, or the model at a max_steps stop if that validated better); no valid epoch fails."""
-        stopped = prog.stopped if (prog.stopped or {}).get("step") == prog.step else None
+        stopped = prog.stopped_here()
         rows = prog.history + ([stopped] if stopped else [])
         if not any(math.isfinite(r["val_metric"]) for r in rows):
             raise self._no_valid_epoch(rows)       # on every rank: they hold the same history

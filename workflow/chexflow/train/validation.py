@@ -1,0 +1,43 @@
+"""Validation during training: one pass over every rank's share of the validation split.
+
+The caller broadcasts rank 0's BatchNorm statistics first, so that every rank evaluates the same model;
+the metric (accuracy | mean AUROC) is computed once over the gathered split (chexflow.train.val_metrics).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from chexflow.train import val_metrics as M
+from chexflow.train.backends import Backend, gather_arrays
+from chexflow.train.inputs import TrainData
+from chexflow.train.losses import task_loss
+
+
+def validate(model, data: TrainData, backend: Backend, device: torch.device, *, bf16: bool,
+             channels_last: bool) -> tuple[float, float, str]:
+    """(validation loss, metric, metric name) of ``model`` over the whole split, the same on every rank."""
+    loader = data.val_loader(pin_memory=device.type == "cuda")
+    model.eval()
+    scores, targets_all = [], []
+    loss_sum, count = torch.zeros((), device=device), 0
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        for images, targets, _ in loader:
+            x = data.augment(images.to(device, non_blocking=True), train=False, generator=None,
+                             channels_last=channels_last)
+            logits = model(x).float()
+            loss_sum += task_loss(data.task, logits, targets.to(device, non_blocking=True)) * images.shape[0]
+            count += images.shape[0]
+            scores.append(logits)               # stays on the device until the split is done
+            targets_all.append(targets)
+    n_classes = len(data.labels)
+    local_scores = torch.cat(scores).cpu().numpy() if scores else np.zeros((0, n_classes), np.float32)
+    local_targets = (torch.cat(targets_all).numpy() if targets_all
+                     else np.zeros((0,) if data.task == "multiclass" else (0, n_classes)))
+    tot = backend.allgather_object((float(loss_sum), count))
+    val_loss = sum(t[0] for t in tot) / max(sum(t[1] for t in tot), 1)
+    s, t = gather_arrays(backend)([local_scores, local_targets])
+    if data.task == "multiclass":
+        return val_loss, M.top1_accuracy(s, t), "accuracy"
+    per = M.auroc_per_label(t.astype(np.float64), s, list(data.labels))
+    return val_loss, float(M.mean_auroc(per)), "mean_auroc"
