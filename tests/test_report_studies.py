@@ -206,7 +206,6 @@ def test_ablation_verdict_over_seeds(tmp_path):
     import numpy as np
     import pandas as pd
     from scipy import stats
-    from sklearn.metrics import roc_auc_score
 
     inputs = _make_inputs(tmp_path)
     main = pd.read_csv(inputs["predictions_csv"], dtype={"image": str, "patient": str})
@@ -216,20 +215,7 @@ def test_ablation_verdict_over_seeds(tmp_path):
     for seed in (0, 1, 2):
         arms = {}
         for init, noise in (("pretrained", 0.2), ("random", 0.8)):
-            d = tmp_path / f"{init}{seed}"
-            d.mkdir()
-            df = main.copy()
-            for lab in labels:
-                df[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=noise, size=len(main))
-            df.to_csv(d / "predictions.csv", index=False)
-            m = json.loads(inputs["metrics_json"].read_text())
-            m.update(model_init=init, model_seed=seed, model_epoch=2)
-            (d / "metrics.json").write_text(json.dumps(m))
-            runs[f"{init}_seed{seed}"] = {"metrics": d / "metrics.json", "predictions": d / "predictions.csv",
-                                          "training": inputs["finetune_metrics"]}
-            known = {lab: main[lab].notna() for lab in labels}
-            arms[init] = np.mean([roc_auc_score(main.loc[known[lab], lab], df.loc[known[lab], f"{lab}_score"])
-                                  for lab in labels if main.loc[known[lab], lab].nunique() == 2])
+            runs[f"{init}_seed{seed}"], arms[init] = _noisy_arm(tmp_path, inputs, main, labels, rng, init, seed, noise)
         gains.append(arms["pretrained"] - arms["random"])
     inputs["config"] = {"finetune": {"init": "pretrained", "seed": 0}, "evaluate": {"bootstrap_resamples": 200, "seed": 0}}
     out = tmp_path / "r.html"
@@ -249,7 +235,6 @@ def test_ablation_third_arm_published_weights(tmp_path):
     difference of the test mean AUROC checked against scikit-learn, with a verdict."""
     import numpy as np
     import pandas as pd
-    from sklearn.metrics import roc_auc_score
 
     inputs = _make_inputs(tmp_path)
     main = pd.read_csv(inputs["predictions_csv"], dtype={"image": str, "patient": str})
@@ -258,20 +243,8 @@ def test_ablation_third_arm_published_weights(tmp_path):
     runs, mean_auroc = {}, {}
     for seed in (0, 1):
         for init, noise in (("pretrained", 0.1), ("file", 0.4), ("random", 3.0)):
-            d = tmp_path / f"{init}{seed}"
-            d.mkdir()
-            df = main.copy()
-            for lab in labels:
-                df[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=noise, size=len(main))
-            df.to_csv(d / "predictions.csv", index=False)
-            m = json.loads(inputs["metrics_json"].read_text())
-            m.update(model_init=init, model_seed=seed, model_epoch=2)
-            (d / "metrics.json").write_text(json.dumps(m))
-            runs[f"{init}_seed{seed}"] = {"metrics": d / "metrics.json", "predictions": d / "predictions.csv",
-                                          "training": inputs["finetune_metrics"]}
-            known = {lab: main[lab].notna() for lab in labels}
-            mean_auroc[init, seed] = np.mean([roc_auc_score(main.loc[known[lab], lab], df.loc[known[lab], f"{lab}_score"])
-                                              for lab in labels if main.loc[known[lab], lab].nunique() == 2])
+            runs[f"{init}_seed{seed}"], mean_auroc[init, seed] = _noisy_arm(tmp_path, inputs, main, labels, rng, init,
+                                                                            seed, noise)
     inputs["config"] = {"finetune": {"init": "pretrained", "seed": 0, "init_file": "w.pth"},
                         "evaluate": {"bootstrap_resamples": 200, "seed": 0}}
     out = tmp_path / "r.html"
@@ -290,3 +263,25 @@ def test_ablation_third_arm_published_weights(tmp_path):
     gains = [mean_auroc["pretrained", s] - mean_auroc["file", s] for s in (0, 1)]
     assert over[2] == f"{np.mean(gains):+.4f}"
     assert "(seeds)" in over[3]
+
+
+def _noisy_arm(tmp_path, inputs, main, labels, rng, init: str, seed: int, noise: float):
+    """An ablation arm's files: the main run's predictions with Gaussian noise of ``noise`` on every
+    score, its metrics.json marked with the arm; and its test mean AUROC by scikit-learn."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    d = tmp_path / f"{init}{seed}"
+    d.mkdir()
+    df = main.copy()
+    for lab in labels:
+        df[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=noise, size=len(main))
+    df.to_csv(d / "predictions.csv", index=False)
+    m = json.loads(inputs["metrics_json"].read_text())
+    m.update(model_init=init, model_seed=seed, model_epoch=2)
+    (d / "metrics.json").write_text(json.dumps(m))
+    known = {lab: main[lab].notna() for lab in labels}
+    mean = np.mean([roc_auc_score(main.loc[known[lab], lab], df.loc[known[lab], f"{lab}_score"])
+                    for lab in labels if main.loc[known[lab], lab].nunique() == 2])
+    return {"metrics": d / "metrics.json", "predictions": d / "predictions.csv",
+            "training": inputs["finetune_metrics"]}, mean
