@@ -24,7 +24,7 @@ from chexflow.fsutil import NotRegularFile, check_regular, open_regular, read_re
 from chexflow.predict import files
 from chexflow.settings import from_dict
 from chexflow.train import checkpoint as ckpt
-from chexflow.train import trainer as T
+from chexflow.train import identity
 from chexflow.train.config import TrainConfig
 from conftest import checkpoint_step, cli_env, module_scratch
 from test_predict import Study, read_predictions
@@ -103,7 +103,7 @@ def test_reads_stop_at_the_bound_and_never_echo_content(tmp_path):
 def test_a_fifo_named_like_a_step_checkpoint_is_set_aside_and_the_run_resumes(demo_manifest, tmp_path):
     first = _small(max_steps=3)
     assert _cli_train(first, demo_manifest, tmp_path, "first").returncode == 0
-    run_id = T.run_id(from_dict(TrainConfig, first), None)
+    run_id = identity.run_id(from_dict(TrainConfig, first), demo_manifest, None)
     fifo = tmp_path / "ckpt" / f"step-000000050-{run_id}.pt"
     os.mkfifo(fifo)
     (tmp_path / "out" / "model.pt").unlink()
