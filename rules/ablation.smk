@@ -2,8 +2,9 @@
 # other initialisation than finetune.init (chexflow.studies.ablation: random init when the main
 # run starts from the pretraining model), with the same budget (the finetune section unchanged
 # otherwise), evaluated on test like the main run (without heatmaps: the report shows the main
-# model's). The report compares the mean AUROC of both. With ablation.seeds, every arm also runs
-# with each other seed (finetune_seed, evaluate_seed under results/ablation/seed<seed>/<init>/).
+# model's). compare_ablation compares the runs (results/ablation/comparison.json); the report
+# renders that. With ablation.seeds, every arm also runs with each other seed (finetune_seed,
+# evaluate_seed under results/ablation/seed<seed>/<init>/).
 # With finetune.init_file set, a third arm starts from that file (published weights) and runs as
 # finetune_seed/evaluate_seed for every seed, finetune.seed's included.
 
@@ -76,3 +77,26 @@ use rule evaluate_model as evaluate_seed with:
     params:
         train=seed_config_json,
         extra="--no-heatmaps",
+
+
+# The comparison of the runs above (chexflow.studies.ablation_compare): pretrained - random per seed
+# and over seeds, and the published-weights arm's two questions, each a paired patient bootstrap of
+# the test mean AUROC on the same images. The report renders this record.
+rule compare_ablation:
+    input:
+        unpack(ablation_compare_inputs),
+    output:
+        comparison="results/ablation/comparison.json",
+    log:
+        "logs/ablation/compare.log",
+    benchmark:
+        "benchmarks/ablation/compare.tsv"
+    conda:
+        "../envs/report.yaml"
+    params:
+        cfg=stage_json("evaluate"),
+        runs=ablation_runs_json,
+        main=ablation_main_run,
+    shell:
+        "chexflow compare-ablation --config-json {params.cfg:q} --runs-json {params.runs:q}"
+        " --main {params.main} --out {output.comparison} > {log} 2>&1"

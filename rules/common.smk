@@ -266,6 +266,32 @@ def ablation_runs():
     return _ablation.study_runs(STUDY)
 
 
+def ablation_run_tree():
+    """The files of every ablation run, by the run's name (`chexflow compare-ablation --runs-json`)."""
+    return {
+        f"{r.init}_seed{r.seed}": {
+            "metrics": f"{r.eval_dir}/metrics.json",
+            "predictions": f"{r.eval_dir}/predictions.csv",
+            "training": f"{r.train_dir}/metrics.jsonl",
+        }
+        for r in ablation_runs()
+    }
+
+
+def ablation_compare_inputs(wildcards):
+    """Named inputs of compare_ablation: the leaves of ablation_run_tree."""
+    return dict(_leaves(ablation_run_tree()))
+
+
+def ablation_runs_json(wildcards):
+    return json.dumps(ablation_run_tree())
+
+
+def ablation_main_run(wildcards):
+    """The main run's name among ablation_run_tree's."""
+    return next(f"{r.init}_seed{r.seed}" for r in ablation_runs() if r.is_main)
+
+
 # ------------------------------------------------------------------ evaluation
 def evaluation_inputs(wildcards):
     """Named inputs of evaluate_model besides the model: finetune_inputs (the shards' manifest and the
@@ -313,14 +339,8 @@ def report_input_tree():
             f"evaluate_{r.init}_seed{r.seed}"
         ] = f"benchmarks/{r.root.removeprefix('results/')}/evaluate.tsv"
     if runs:
-        tree["ablation"] = {
-            f"{r.init}_seed{r.seed}": {
-                "metrics": f"{r.eval_dir}/metrics.json",
-                "predictions": f"{r.eval_dir}/predictions.csv",
-                "training": f"{r.train_dir}/metrics.jsonl",
-            }
-            for r in ablation_runs()
-        }
+        tree["benchmarks"]["compare_ablation"] = "benchmarks/ablation/compare.tsv"
+        tree["ablation"] = {"comparison": "results/ablation/comparison.json"}
     if study_enabled("scaling"):
         tree["scaling"] = {"table": "results/scaling/scaling.csv", "plot": "results/scaling/scaling.png"}
     if study_enabled("sweep"):

@@ -8,18 +8,24 @@ import pytest
 import torch
 
 from chexflow.report import render
-from chexflow.studies import scaling, sweep
+from chexflow.studies import ablation_compare, scaling, sweep
 from chexflow.train import checkpoint as ckpt
 from test_report import _make_inputs, _render, _table
 
 
 def _with_studies(inputs: dict, studies: dict) -> dict:
-    """The fixture's inputs with study sections (the report's one input structure)."""
+    """The fixture's inputs with study sections (the report's one input structure); the ablation's
+    runs are compared first, as rule compare_ablation does, with the config's main run and bootstrap."""
     tree = {"scaling": {"table": studies.get("scaling_csv"), "plot": studies.get("scaling_plot")},
             "sweep": {"table": studies.get("sweep_table"), "selection": studies.get("sweep_selection"),
                       "metrics": studies.get("sweep_metrics")}}
     if studies.get("ablation"):
-        tree["ablation"] = studies["ablation"]
+        finetune, ev = inputs["config"].get("finetune") or {}, inputs["config"].get("evaluate") or {}
+        comparison = inputs["metrics_json"].parent / "comparison.json"
+        ablation_compare.write_comparison(studies["ablation"], comparison,
+                                          main=f"{finetune.get('init', 'pretrained')}_seed{finetune.get('seed', 0)}",
+                                          n_resamples=ev.get("bootstrap_resamples", 1000), seed=ev.get("seed", 0))
+        tree["ablation"] = {"comparison": comparison}
     return {**inputs, "studies": {k: v for k, v in tree.items() if any(x is not None for x in v.values())}}
 
 
@@ -113,7 +119,8 @@ def test_input_structure_is_checked_by_name(tmp_path):
     for bad, message in (({**tree, "extras": {}}, "unknown section 'extras'"),
                          ({**tree, "evaluation": {**tree["evaluation"], "heatmap": "x"}}, r"unknown evaluation input\(s\) \['heatmap'\]"),
                          ({k: v for k, v in tree.items() if k != "training"}, "training.pretrain is required"),
-                         ({**tree, "ablation": {"r": {"metrics": "m"}}}, "ablation.r must name exactly")):
+                         ({**tree, "ablation": {"r": {"metrics": "m"}}}, r"unknown ablation input\(s\) \['r'\]"),
+                         ({**tree, "ablation": {"comparison": {"r": "m"}}}, "ablation.comparison must be a path")):
         with pytest.raises(render.ReportInputError, match=message):
             render.render_report(tmp_path / "r.html", inputs=bad, config={}, provenance={})
 
@@ -196,7 +203,7 @@ def test_ablation_gain_with_paired_ci_in_summary(tmp_path):
     assert "Pretraining HURTS on this data" in html and f"{-want['diff']:+.3f}" in html
     # predictions of other images than the main run's are refused by name
     other.reset_index().iloc[:-3].to_csv(abl_dir / "predictions.csv", index=False)
-    with pytest.raises(render.ReportInputError, match="other test images"):
+    with pytest.raises(ablation_compare.ComparisonInputError, match="other test images"):
         _render(out, _with_studies(inputs, {"ablation": _runs(inputs, abl_dir)}))
 
 

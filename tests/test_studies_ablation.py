@@ -44,6 +44,17 @@ def test_other_init_is_the_one_the_main_run_does_not_use():
         ablation.other_init({"finetune": {"init": "imagenet"}})
 
 
+def _compared_runs(dry_stdout: str) -> tuple[dict, str]:
+    """compare_ablation's runs (--runs-json) and main run (--main); the report gets only their comparison."""
+    shell = _shell_of(dry_stdout, "compare_ablation")
+    assert "--out results/ablation/comparison.json" in shell
+    report = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry_stdout, "render_report")).group(1))
+    assert report["ablation"] == {"comparison": "results/ablation/comparison.json"}
+    assert report["benchmarks"]["compare_ablation"] == "benchmarks/ablation/compare.tsv"
+    return (json.loads(re.search(r"--runs-json '(\{.*?\})' ", shell).group(1)),
+            re.search(r"--main (\S+)", shell).group(1))
+
+
 def test_ablation_dag_flips_the_init(tmp_path):
     _, cfgfile = _config(tmp_path, init="pretrained")
     dry = _snakemake(tmp_path, "-n", "-p", "--configfile", str(cfgfile))
@@ -57,9 +68,9 @@ def test_ablation_dag_flips_the_init(tmp_path):
     strip = lambda s: json.loads(re.search(r"--config-json '(\{.*?\})'", s).group(1))  # noqa: E731
     a, m = strip(shell), strip(main)
     assert a.pop("init") == "random" and m.pop("init") == "pretrained" and a == m
-    report = _shell_of(dry.stdout, "render_report")
-    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", report).group(1))
-    assert tree["ablation"] == {
+    runs, main_run = _compared_runs(dry.stdout)
+    assert main_run == "pretrained_seed0" and counts["compare_ablation"] == 1
+    assert runs == {
         "pretrained_seed0": {"metrics": "results/evaluate/metrics.json", "predictions": "results/evaluate/predictions.csv",
                              "training": "results/finetune/metrics.jsonl"},
         "random_seed0": {"metrics": "results/ablation/evaluate/metrics.json",
@@ -91,8 +102,9 @@ def test_ablation_seeds_run_every_arm_with_every_seed(tmp_path):
     got = {(json.loads(c)["init"], json.loads(c)["seed"], bool(p), d) for c, p, d in runs}
     assert got == {(init, seed, init == "pretrained", f"results/ablation/seed{seed}/{init}")
                    for init in ("pretrained", "random") for seed in (1, 2)}
+    runs, _ = _compared_runs(dry.stdout)
+    assert sorted(runs) == sorted(f"{i}_seed{s}" for i in ("pretrained", "random") for s in (0, 1, 2))
     tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
-    assert sorted(tree["ablation"]) == sorted(f"{i}_seed{s}" for i in ("pretrained", "random") for s in (0, 1, 2))
     assert tree["benchmarks"]["evaluate_random_seed2"] == "benchmarks/ablation/seed2/random/evaluate.tsv"
     cfg["ablation"]["seeds"] = [1, 1]
     cfgfile.write_text(yaml.safe_dump(cfg))
@@ -135,8 +147,8 @@ def test_a_weights_file_adds_the_third_arm_and_is_every_run_s_input(tmp_path):
     assert re.search(rf"input: .*{re.escape(str(weights))}", block)
     shell = _shell_of(dry.stdout, "finetune_seed")
     assert '"init": "file"' in shell and "--out-dir results/ablation/seed0/file/finetune" in shell
-    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
-    assert sorted(tree["ablation"]) == ["file_seed0", "pretrained_seed0", "random_seed0"]
+    runs, main_run = _compared_runs(dry.stdout)
+    assert sorted(runs) == ["file_seed0", "pretrained_seed0", "random_seed0"] and main_run == "pretrained_seed0"
 
     # the main run from the file: its jobs (training and evaluation) take the file as input; the
     # ablation adds random and own pretraining
@@ -146,8 +158,8 @@ def test_a_weights_file_adds_the_third_arm_and_is_every_run_s_input(tmp_path):
     for rule in ("finetune_model", "evaluate_model"):
         block = dry.stdout.split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
         assert re.search(rf"input: .*{re.escape(str(weights))}", block), rule
-    tree = json.loads(re.search(r"--inputs-json '(\{.*?\})' ", _shell_of(dry.stdout, "render_report")).group(1))
-    assert sorted(tree["ablation"]) == ["file_seed0", "pretrained_seed0", "random_seed0"]
+    runs, main_run = _compared_runs(dry.stdout)
+    assert sorted(runs) == ["file_seed0", "pretrained_seed0", "random_seed0"] and main_run == "file_seed0"
 
     # continued pretraining from the file: the pretraining job takes it as input
     cfg = yaml.safe_load(cfgfile.read_text())

@@ -56,10 +56,12 @@ def test_dry_run_dag_has_every_stage_in_order(tmp_path):
     assert "--dataset nih_demo_pretrain" in dry.stdout and "data/shards/nih_demo_pretrain/manifest.json" in dry.stdout
     assert counts["pretrain_model"] == counts["finetune_model"] == counts["render_report"] == 1
     # the ablation (pretrained vs random init) is the demo's headline: on by default; scaling and sweep are off
-    assert counts["finetune_ablation"] == counts["evaluate_ablation"] == 1
-    # the report's inputs as one structure, the ablation's runs and jobs in it
+    assert counts["finetune_ablation"] == counts["evaluate_ablation"] == counts["compare_ablation"] == 1
+    # the comparison of the ablation's runs is its own job; the report's inputs as one structure,
+    # the ablation's comparison and jobs in it
     assert ('"random_seed0": {"metrics": "results/ablation/evaluate/metrics.json", '
             '"predictions": "results/ablation/evaluate/predictions.csv"') in dry.stdout
+    assert '"ablation": {"comparison": "results/ablation/comparison.json"}' in dry.stdout
     assert '"finetune_random_seed0": "benchmarks/ablation/train.tsv"' in dry.stdout
     for rule in ("scale_pretrain", "summarize_scaling", "sweep_trial", "select_sweep", "evaluate_sweep_winner"):
         assert rule not in counts, rule

@@ -206,6 +206,26 @@ def cmd_sweep_select(args) -> None:
           f"{summary['n_failed']} of {summary['n_trials']} trials failed")
 
 
+def cmd_compare_ablation(args) -> None:
+    from chexflow.studies import ablation_compare
+    evaluate = _load(EvaluateConfig, args)
+    try:
+        runs = json.loads(args.runs_json)
+    except json.JSONDecodeError as exc:
+        raise ablation_compare.ComparisonInputError(f"--runs-json is not valid JSON: {exc}") from exc
+    rec = ablation_compare.write_comparison(runs, args.out, main=args.main, n_resamples=evaluate.bootstrap_resamples,
+                                            seed=evaluate.seed)
+    for d in rec["per_seed"]:
+        print(f"pretrained - random, seed {d['seed']}: {d['diff']:+.4f} (95% CI {d['ci_low']} to {d['ci_high']}): "
+              f"{d['verdict']}")
+    if rec["over_seeds"]:
+        o = rec["over_seeds"]
+        print(f"pretrained - random over {o['n_seeds']} seeds: {o['diff']:+.4f}: {o['verdict']}")
+    for c in rec["published"]:
+        for d in c["per_seed"]:
+            print(f"{c['a']} - {c['b']}, seed {d['seed']}: {d['diff']:+.4f}: {d['verdict']}")
+
+
 def _add_model_inputs(p: argparse.ArgumentParser, *, export: bool) -> None:
     """The fine-tuned model and what overrides its predict record (predict, export)."""
     p.add_argument("--model", type=Path, required=True,
@@ -354,6 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-model", type=Path, required=True, help="copy of the winner's model.pt")
     p.add_argument("results", type=Path, nargs="+", help="result.json of every trial")
     p.set_defaults(func=cmd_sweep_select)
+
+    p = sub.add_parser("compare-ablation", help="the ablation's paired comparisons of its runs (comparison.json)")
+    _add_config(p)
+    p.add_argument("--runs-json", required=True,
+                   help='the runs as {"<init>_seed<seed>": {"metrics": PATH, "predictions": PATH, "training": PATH}, ...}')
+    p.add_argument("--main", required=True, help="the main run's name among them (e.g. pretrained_seed0)")
+    p.add_argument("--out", type=Path, required=True, help="results/ablation/comparison.json")
+    p.set_defaults(func=cmd_compare_ablation)
 
     p = sub.add_parser("report", help="the self-contained HTML report and the model card")
     p.add_argument("--out", type=Path, required=True)

@@ -88,6 +88,10 @@ REFUSALS: dict[str, Refusal] = {
     "NoInputsError": Refusal(7, "name existing image files, folders or .txt lists"),
     "ReportInputError": Refusal(7, _REWRITE),
     "MetricsRecordError": Refusal(7, _REWRITE),
+    "PredictionsRecordError": Refusal(7, _REWRITE),
+    "EpochsRecordError": Refusal(7, _REWRITE),
+    "ComparisonRecordError": Refusal(7, _REWRITE),
+    "ComparisonInputError": Refusal(7, _REWRITE),
     "ModelFileInputError": Refusal(7, _REWRITE),
     "ScalingError": Refusal(7, _REWRITE),
     # downloads

@@ -1,5 +1,6 @@
-"""The evaluation's record, ``metrics.json``: its one format, the operating point evaluation chooses
-per finding, and the reader every consumer (the report, the studies) goes through.
+"""The evaluation's records, ``metrics.json`` and ``predictions.csv``: one format each, the operating
+point evaluation chooses per finding, and the readers every consumer (the report, the studies) goes
+through.
 
 One format, the one ``evaluate.run`` writes: per finding ``ci`` is ``[low, high]`` or null; the
 mean's CI is ``bootstrap.mean_auroc_ci``. A finding's operating point is the evaluation's decision,
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 import numpy as np
+import pandas as pd
 
 from chexflow.evaluate.metrics import operating_point, youden_threshold
 
@@ -143,3 +145,28 @@ def read_metrics(path: Path) -> dict[str, Any]:
     if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
         raise MetricsRecordError(f"{path}: model_epoch must be an integer, got {epoch!r}")
     return data
+
+
+class PredictionsRecordError(ValueError):
+    """A predictions.csv that is not the evaluation's (names the file and the column)."""
+
+
+def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
+    """``predictions.csv`` as ``evaluate.run`` writes it: image, patient, then per label ``L`` (0/1/empty)
+    and ``L_score``; anything else fails naming the file and the column."""
+    path = Path(path)
+    if not path.is_file():
+        raise PredictionsRecordError(f"predictions.csv not found: {path}")
+    try:
+        df = pd.read_csv(path, dtype={"image": str, "patient": str})
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise PredictionsRecordError(f"{path}: cannot parse as CSV: {exc}") from exc
+    needed = ["image", "patient"] + [c for lab in labels for c in (lab, f"{lab}_score")]
+    missing = [c for c in needed if c not in df.columns]
+    if missing:
+        raise PredictionsRecordError(f"{path}: missing column(s) {missing}")
+    for lab in labels:
+        for col in (lab, f"{lab}_score"):
+            if not pd.api.types.is_numeric_dtype(df[col]):
+                raise PredictionsRecordError(f"{path}: column {col!r} is not numeric")
+    return df

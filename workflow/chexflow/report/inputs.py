@@ -10,23 +10,24 @@ from typing import Any
 
 import pandas as pd
 
-from chexflow.evaluate.record import MetricsRecordError, read_metrics
+from chexflow.evaluate.comparison_record import ComparisonRecordError, read_comparison
+from chexflow.evaluate.record import MetricsRecordError, PredictionsRecordError, read_metrics, read_predictions
 from chexflow.report.errors import ReportInputError
 from chexflow.report.templating import hms
+from chexflow.train.epochs import EpochsRecordError, read_epochs
 
 # The structure of the report's inputs (``--inputs-json``; the workflow's report_input_tree): a
-# section's files by name. None: any name (benchmarks: stage -> TSV; ablation: run -> its files).
+# section's files by name. None: any name (benchmarks: stage -> TSV).
 INPUTS: dict[str, tuple[str, ...] | None] = {
     "evaluation": ("metrics", "predictions", "saliency"),
     "training": ("pretrain", "finetune"),
     "manifests": ("pretrain", "finetune"),
     "benchmarks": None,
-    "ablation": None,
+    "ablation": ("comparison",),
     "scaling": ("table", "plot"),
     "sweep": ("table", "selection", "metrics"),
 }
 REQUIRED_INPUTS = (("evaluation", "metrics"), ("training", "pretrain"), ("training", "finetune"))
-ABLATION_RUN_FILES = ("metrics", "predictions", "training")
 
 
 def check_inputs(tree: Any) -> dict[str, Any]:
@@ -42,9 +43,6 @@ def check_inputs(tree: Any) -> dict[str, Any]:
         if not isinstance(files, dict):
             raise ReportInputError(f"report inputs: {section} must be an object name -> path")
         names = INPUTS[section]
-        if section == "ablation":
-            out[section] = {run: _run_files(run, f) for run, f in files.items()}
-            continue
         unknown = sorted(set(files) - set(names)) if names is not None else []
         if unknown:
             raise ReportInputError(f"report inputs: unknown {section} input(s) {unknown}; known: {list(names)}")
@@ -59,12 +57,6 @@ def _path(key: str, value: Any) -> Path:
     if not isinstance(value, (str, Path)) or not str(value):
         raise ReportInputError(f"report inputs: {key} must be a path, got {value!r}")
     return Path(value)
-
-
-def _run_files(run: str, files: Any) -> dict[str, Path]:
-    if not isinstance(files, dict) or set(files) != set(ABLATION_RUN_FILES):
-        raise ReportInputError(f"report inputs: ablation.{run} must name exactly {list(ABLATION_RUN_FILES)}")
-    return {k: _path(f"ablation.{run}.{k}", v) for k, v in files.items()}
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -107,27 +99,19 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
 
 
 def load_metrics_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
-    """Per-epoch training metrics (one JSON object per line, contract keys)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ReportInputError(f"{what} training metrics not found: {path}")
-    epochs = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReportInputError(f"{path}:{lineno}: not valid JSON: {exc}") from exc
-        if not isinstance(obj, dict):
-            raise ReportInputError(f"{path}:{lineno}: expected a JSON object per line")
-        missing = [k for k in ("epoch", "train_loss", "val_metric") if k not in obj]
-        if missing:
-            raise ReportInputError(f"{path}:{lineno}: missing key(s) {missing}")
-        epochs.append(obj)
-    if not epochs:
-        raise ReportInputError(f"{path}: no epochs recorded ({what} training metrics are empty)")
-    return epochs
+    """Per-epoch training metrics, read through the training's record (``chexflow.train.epochs``)."""
+    try:
+        return read_epochs(Path(path), what)
+    except EpochsRecordError as exc:
+        raise ReportInputError(str(exc)) from exc
+
+
+def load_comparison(path: Path) -> dict[str, Any]:
+    """The ablation's comparison, read through its record (``chexflow.evaluate.comparison_record``)."""
+    try:
+        return dict(read_comparison(Path(path)))
+    except ComparisonRecordError as exc:
+        raise ReportInputError(str(exc)) from exc
 
 
 def load_manifest(path: Path, dataset: str) -> dict[str, Any]:
@@ -147,23 +131,11 @@ def load_manifest(path: Path, dataset: str) -> dict[str, Any]:
 
 
 def load_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
-    """predictions.csv: image, patient, then per label ``L`` (0/1/empty) and ``L_score``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ReportInputError(f"predictions.csv not found: {path}")
+    """predictions.csv, read through the evaluation's record (``chexflow.evaluate.record``)."""
     try:
-        df = pd.read_csv(path, dtype={"image": str, "patient": str})
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise ReportInputError(f"{path}: cannot parse as CSV: {exc}") from exc
-    needed = ["image", "patient"] + [c for lab in labels for c in (lab, f"{lab}_score")]
-    missing = [c for c in needed if c not in df.columns]
-    if missing:
-        raise ReportInputError(f"{path}: missing column(s) {missing}")
-    for lab in labels:
-        for col in (lab, f"{lab}_score"):
-            if not pd.api.types.is_numeric_dtype(df[col]):
-                raise ReportInputError(f"{path}: column {col!r} is not numeric")
-    return df
+        return read_predictions(Path(path), labels)
+    except PredictionsRecordError as exc:
+        raise ReportInputError(str(exc)) from exc
 
 
 def load_benchmark(path: Path, stage: str) -> dict[str, Any]:

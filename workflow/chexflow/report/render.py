@@ -13,23 +13,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from chexflow.evaluate import published
-from chexflow.evaluate.metrics import paired_bootstrap_auroc_diff, paired_bootstrap_over_seeds
 from chexflow.fsutil import write_text_atomic
 from chexflow.report import analyses, plots
-from chexflow.report.ablation_arms import aligned as _aligned
-from chexflow.report.ablation_arms import published_comparisons
-from chexflow.report.ablation_arms import verdict as _verdict
 from chexflow.report.errors import ReportInputError
 from chexflow.report.inputs import (INPUTS, check_inputs, load_benchmark, load_manifest, load_metrics_json,
                                     load_metrics_jsonl, load_predictions)
 from chexflow.report.provenance import collect_provenance, package_versions
 from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, roc_view
 from chexflow.report.run_view import dataset_view, run_view
-from chexflow.report.run_view import training_view as _training_view
-from chexflow.report.studies_view import scaling_view, sweep_view
+from chexflow.report.run_view import training_view
+from chexflow.report.studies_view import ablation_view, scaling_view, sweep_view
 from chexflow.report.templating import MODEL_CARD_TEMPLATE, config_yaml, hms, template
 
 __all__ = ["ReportInputError", "render_report", "collect_provenance", "package_versions", "INPUTS"]
@@ -61,65 +55,6 @@ def limitations_of(ctx: dict[str, Any]) -> list[str]:
         out.append("The ablation rests on one training seed per arm: its CI covers the test patients, not training "
                    "randomness (ablation.seeds runs several).")
     return out
-
-
-# --------------------------------------------------------------------------- ablation
-def _arm_name(init: str) -> str:
-    names = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init",
-             "file": "Fine-tuned from published weights (init_file)"}
-    return names.get(init, init)
-
-
-def _ablation_view(runs: dict[str, dict[str, Path]], labels: list[str], config: dict,
-                   main_metrics: dict[str, Any]) -> dict[str, Any] | None:
-    """Pretrained vs random init, per training seed and over seeds: each run's test mean AUROC and
-    tested epoch, the paired patient-bootstrap CI of the gain on the same images, per finding with CIs."""
-    loaded = []
-    for name, files in runs.items():
-        m = load_metrics_json(files["metrics"])
-        init, seed = m["model_init"], m["model_seed"]
-        if init not in ("pretrained", "random", "file") or seed is None:
-            raise ReportInputError(f"{files['metrics']}: names no init/seed of its model (model_init, model_seed)")
-        loaded.append({"name": name, "init": init, "seed": int(seed), "metrics": m, "files": files,
-                       "predictions": load_predictions(files["predictions"], labels),
-                       "epochs": load_metrics_jsonl(files["training"], f"ablation run {name}")})
-    by = {(r["init"], r["seed"]): r for r in loaded}
-    seeds = sorted({r["seed"] for r in loaded if ("pretrained", r["seed"]) in by and ("random", r["seed"]) in by})
-    if not seeds:
-        raise ReportInputError("the ablation's runs hold no seed with both arms (pretrained and random)")
-    ev = config.get("evaluate") or {}
-    boot = {"n_resamples": int(ev.get("bootstrap_resamples", 1000)), "seed": int(ev.get("seed", 0))}
-    ref = by[("pretrained", seeds[0])]["predictions"]
-    pairs = [(_aligned(ref, by[("pretrained", s)]), _aligned(ref, by[("random", s)])) for s in seeds]
-    y = ref[labels].to_numpy(float)
-    cols = [f"{lab}_score" for lab in labels]
-    scores = [(p[cols].to_numpy(float), r[cols].to_numpy(float)) for p, r in pairs]
-    per_seed = []
-    for s_, (a, b) in zip(seeds, scores):
-        res = paired_bootstrap_auroc_diff(y, a, b, ref["patient"].to_numpy(), labels, **boot)
-        epochs = {init: by[(init, s_)]["metrics"]["model_epoch"] for init in ("pretrained", "random")}
-        per_seed.append({**res, "seed": s_, **_verdict(res["ci"]), "epochs": epochs})
-    over = paired_bootstrap_over_seeds(y, scores, ref["patient"].to_numpy(), labels, **boot) if len(seeds) > 1 else None
-    first = per_seed[0]
-    main_seed = main_metrics.get("model_seed")
-    main_init = main_metrics.get("model_init") or "pretrained"
-    other = next((r for r in loaded if r["init"] != main_init and r["seed"] == main_seed), None)
-    rows = [{"name": _arm_name(r["init"]), "init": r["init"], "seed": r["seed"],
-             "mean_auroc": r["metrics"]["mean_auroc"], "ci": r["metrics"]["mean_auroc_ci"], "epoch": r["metrics"]["model_epoch"],
-             "n_epochs": len(r["epochs"]), "where": str(r["files"]["metrics"].parent)}
-            for r in sorted(loaded, key=lambda r: (r["seed"], ("pretrained", "random", "file").index(r["init"])))]
-    return {
-        "rows": rows, "seeds": seeds, "per_seed": per_seed, "paired": first if len(seeds) == 1 else None,
-        "over_seeds": None if over is None else {**over, **_verdict(over["ci"], over["t_ci"])},
-        "per_label": [{"display": plots.display_name(lab), **first["labels"][lab]} for lab in first["labels_used"]],
-        "other_training": None if other is None else _training_view(
-            other["epochs"], f"Ablation: fine-tuning from {other['init']} init (seed {other['seed']})",
-            tested=other["metrics"]),
-        "main_init": main_init, "other_init": "pretrained" if main_init == "random" else "random",
-        "published": published_comparisons(by, seeds, ref, labels, boot),
-    }
-
-
 
 
 # --------------------------------------------------------------------------- entry point
@@ -154,14 +89,14 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
         raise ReportInputError("the sweep section needs both the sweep table and the selection JSON")
     scaling = scaling_view(sc["table"], sc.get("plot")) if sc else None
     sweep = sweep_view(sw["table"], sw["selection"], sw.get("metrics")) if sw else None
-    ablation = _ablation_view(tree["ablation"], labels, config, metrics) if tree.get("ablation") else None
+    ablation = ablation_view(tree["ablation"]["comparison"]) if tree.get("ablation") else None
 
     rows = auroc_rows(metrics, synthetic=bool(synthetic))
     prov = dict(provenance)
     prov.setdefault("packages", package_versions())
     prov.setdefault("git_commit", "unknown")
     packages = prov.pop("packages")
-    training = [_training_view(pretrain, "Pretraining"), _training_view(finetune, "Fine-tuning", tested=metrics)]
+    training = [training_view(pretrain, "Pretraining"), training_view(finetune, "Fine-tuning", tested=metrics)]
     context = {
         "title": "chexflow report",
         "generated_utc": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),

@@ -1,4 +1,5 @@
-"""The optional studies' views: the scaling table and plot, the hyperparameter sweep."""
+"""The optional studies' views: the scaling table and plot, the hyperparameter sweep, the ablation
+(its comparison record, computed by ``chexflow.studies.ablation_compare``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +7,13 @@ from typing import Any
 
 import pandas as pd
 
-from chexflow.report.inputs import load_metrics_json, png_data_uri, read_csv, read_json, records
+from chexflow.report import plots
+from chexflow.report.inputs import (load_comparison, load_metrics_json, load_metrics_jsonl, png_data_uri, read_csv,
+                                    read_json, records)
+from chexflow.report.run_view import training_view
+
+ARM_NAMES = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init",
+             "file": "Fine-tuned from published weights (init_file)"}
 
 
 def scaling_view(csv: Path, plot: Path | None) -> dict[str, Any]:
@@ -43,3 +50,25 @@ def sweep_view(table_csv: Path, selection_json: Path, winner_metrics: Path | Non
             "test_mean_auroc": None if test is None else test["mean_auroc"],
             "test_mean_auroc_ci": None if test is None else test["mean_auroc_ci"]}
 
+
+
+def ablation_view(comparison_json: Path) -> dict[str, Any]:
+    """The ablation's section from its comparison record: each run's test mean AUROC and tested epoch,
+    pretrained - random per seed (the headline when one seed), over seeds, per finding, the
+    published-weights arm's comparisons, and the other arm's training curves (main training seed)."""
+    rec = load_comparison(comparison_json)
+    first = rec["per_seed"][0]
+    rows = [{"name": ARM_NAMES[r["init"]], "init": r["init"], "seed": r["seed"], "mean_auroc": r["mean_auroc"],
+             "ci": r["mean_auroc_ci"], "epoch": r["epoch"], "n_epochs": r["n_epochs"],
+             "where": str(Path(r["metrics"]).parent)} for r in rec["runs"]]
+    other = next((r for r in rec["runs"] if r["init"] != rec["main_init"] and r["seed"] == rec["main_seed"]), None)
+    return {
+        "rows": rows, "seeds": rec["seeds"], "per_seed": rec["per_seed"],
+        "paired": first if len(rec["seeds"]) == 1 else None, "over_seeds": rec["over_seeds"],
+        "per_label": [{"display": plots.display_name(lab), **first["labels"][lab]} for lab in first["labels_used"]],
+        "other_training": None if other is None else training_view(
+            load_metrics_jsonl(Path(other["training"]), f"ablation run {other['name']}"),
+            f"Ablation: fine-tuning from {other['init']} init (seed {other['seed']})",
+            tested={"model_epoch": other["epoch"], "model_val_metric": other["val_metric"]}),
+        "main_init": rec["main_init"], "other_init": rec["other_init"], "published": rec["published"],
+    }
