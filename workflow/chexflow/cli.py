@@ -239,13 +239,8 @@ def _add_model_inputs(p: argparse.ArgumentParser, *, export: bool) -> None:
                         "model file without a predict record)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="chexflow", description=__doc__.splitlines()[0],
-                                 epilog="A refusal is one line on stderr and an exit status of docs/errors.md.")
-    ap.add_argument("--debug", action="store_true",
-                    help=f"with a refusal, its Python traceback too (or set {errors.DEBUG_ENV}=1)")
-    sub = ap.add_subparsers(dest="stage", required=True)
-
+def _data_commands(sub) -> None:
+    """The data stages: the demo release, downloads, the split, shards."""
     p = sub.add_parser("make-demo-release", help="generate the synthetic mini-NIH release (phantoms)")
     _add_config(p)
     p.add_argument("--out", type=Path, required=True)
@@ -287,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("parts", type=Path, nargs="+")
     p.set_defaults(func=cmd_gather)
 
+
+def _train_commands(sub) -> None:
+    """Training: one rank, the local launcher, the job log."""
     p = sub.add_parser("train", help="one rank of pretraining or fine-tuning (start via launch/srun)")
     _add_config(p)
     p.add_argument("--manifest", type=Path, required=True)
@@ -307,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log", type=Path, help="the log the job writes (logs/<stage>/train.log -> train.<n>.log)")
     p.set_defaults(func=cmd_keep_log)
 
+
+def _model_commands(sub) -> None:
+    """The fine-tuned model: evaluation on test, predict, export."""
     p = sub.add_parser("evaluate", help="test-set predictions, AUROC with bootstrap CIs")
     _add_config(p)
     p.add_argument("--model", type=Path, required=True)
@@ -340,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-card", type=Path, default=None, help="carried along when the file exists")
     p.set_defaults(func=cmd_export)
 
+
+def _study_commands(sub) -> None:
+    """The studies: scaling, sweep, the ablation's comparison."""
     p = sub.add_parser("scale-point", help="one rank of the scaling study at one world size")
     _add_config(p)
     p.add_argument("--scaling-json", required=True, help="the scaling section as JSON")
@@ -383,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="results/ablation/comparison.json")
     p.set_defaults(func=cmd_compare_ablation)
 
+
+def _report_command(sub) -> None:
+    """The report."""
     p = sub.add_parser("report", help="the self-contained HTML report and the model card")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model-card", type=Path, default=None, help="also write the model card (Markdown) here")
@@ -393,6 +400,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-config-json", default=None, help="the study config as JSON (rules)")
     p.add_argument("--repo", type=Path, default=None)
     p.set_defaults(func=cmd_report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="chexflow", description=__doc__.splitlines()[0],
+                                 epilog="A refusal is one line on stderr and an exit status of docs/errors.md.")
+    ap.add_argument("--debug", action="store_true",
+                    help=f"with a refusal, its Python traceback too (or set {errors.DEBUG_ENV}=1)")
+    sub = ap.add_subparsers(dest="stage", required=True)
+    for add in (_data_commands, _train_commands, _model_commands, _study_commands, _report_command):
+        add(sub)
     return ap
 
 
