@@ -372,15 +372,17 @@ def report_inputs_json(wildcards):
 
 # ------------------------------------------------------------------ what a plain `snakemake` makes again
 def kept_files():
-    """What the target `all` lists besides the report: the report's inputs, the shards' part
-    manifests, the sweep's trials and the scaling points. Snakemake leaves a missing file alone while what was made from it is up
+    """What the target `all` lists besides the report: the report's inputs, the files of the
+    ablation's runs (compare_ablation's inputs), the shards' part manifests, the sweep's trials and
+    the scaling points. Snakemake leaves a missing file alone while what was made from it is up
     to date (snakemake/snakemake#1978): a job that failed (its outputs are deleted; a failed
     `--forcerun` leaves exactly that) would never run again. As targets, a missing one is made again,
     and what depends on it after it; downloads (data/raw) only when a job that reads them runs."""
     parts = dataset_part_manifests(PRETRAIN_DATASET) + dataset_part_manifests(FINETUNE_DATASET)
     scaling = scaling_points() if study_enabled("scaling") else []
     sweep = sweep_results() if study_enabled("sweep") else []
-    return [path for _, path in _leaves(report_input_tree())] + parts + scaling + sweep
+    ablation = [path for _, path in _leaves(ablation_run_tree())]
+    return [path for _, path in _leaves(report_input_tree())] + ablation + parts + scaling + sweep
 
 
 # ------------------------------------------------------------------ before anything is submitted
