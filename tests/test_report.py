@@ -408,3 +408,26 @@ def test_subtitle_and_pilot_banner_describe_the_run(inputs, tmp_path):
                                                         "nih": path}, "config": config})
     html = out.read_text()
     assert 'id="pilot-banner"' not in html and "all 12 archives: 112,120 of 112,120 listed images" in html
+
+
+def test_figure_titles_show_the_recorded_metrics_not_a_recomputation(inputs, monkeypatch):
+    """The ROC and PR grids draw curves from predictions.csv, but the AUROC and AUPRC in their titles
+    are the evaluation's recorded values (a finding without one says n/a, never a number of its own)."""
+    from chexflow.report import inputs as report_inputs_mod
+    from chexflow.report import plots, results_view
+    drawn = {}
+    monkeypatch.setattr(plots, "roc_grid", lambda curves: drawn.setdefault("roc", curves) and "roc.png")
+    monkeypatch.setattr(plots, "pr_grid", lambda curves: drawn.setdefault("pr", curves) and "pr.png")
+    metrics = report_inputs_mod.load_metrics_json(inputs["metrics_json"])
+    labels = list(metrics["labels"])
+    df = report_inputs_mod.load_predictions(inputs["predictions_csv"], labels)
+    first = next(lab for lab in labels if metrics["labels"][lab]["auroc"] is not None)
+    metrics["labels"][first]["auroc"] = 0.123          # not what the predictions give
+    metrics["raw_labels"][first]["auprc"] = 0.456
+    assert results_view.roc_view(df, labels, metrics)["plot"] == "roc.png"
+    assert results_view.calibration_view(metrics, df, labels)["pr_plot"] == "pr.png"
+    assert drawn["roc"][first][2] == 0.123 and drawn["pr"][first][2] == 0.456
+    metrics["labels"][first]["auroc"] = None
+    drawn.clear()
+    results_view.roc_view(df, labels, metrics)
+    assert drawn["roc"][first][2] is None and plots._three(None) == "n/a" and plots._three(0.12345) == "0.123"

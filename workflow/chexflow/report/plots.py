@@ -131,8 +131,13 @@ def _unit_axes(ax, xlabel: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel, fontsize=8)
 
 
-def roc_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, tuple[float, float] | None]]) -> str:
-    """Grid of ROC curves. ``curves[label] = (fpr, tpr, auroc, youden (fpr, tpr) or None)``."""
+def _three(value: float | None) -> str:
+    """A recorded metric in a figure's title (n/a: none recorded)."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def roc_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float | None, tuple[float, float] | None]]) -> str:
+    """Grid of ROC curves. ``curves[label] = (fpr, tpr, the recorded auroc, youden (fpr, tpr) or None)``."""
     labels = list(curves)
     ncols = 5
     nrows = max(1, math.ceil(len(labels) / ncols))
@@ -144,7 +149,7 @@ def roc_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, tuple[flo
         ax.plot(fpr, tpr, color=OURS_COLOR, lw=1.5)
         if youden is not None:
             ax.plot([youden[0]], [youden[1]], "o", color=CHEXNET_COLOR, ms=4)
-        ax.set_title(f"{display_name(label)} (AUROC {auc:.3f})", fontsize=9)
+        ax.set_title(f"{display_name(label)} (AUROC {_three(auc)})", fontsize=9)
         _unit_axes(ax, "1 - specificity", "sensitivity")
         ax.set_aspect("equal")
     for ax in axes[len(labels):]:
@@ -165,14 +170,14 @@ def _grid(n: int, ncols: int = 5, size: tuple[float, float] = (2.6, 2.7)) -> tup
     return fig, axes
 
 
-def pr_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float, float]]) -> str:
+def pr_grid(curves: Mapping[str, tuple[np.ndarray, np.ndarray, float | None, float]]) -> str:
     """Precision-recall per label. ``curves[label] = (recall, precision, auprc, prevalence)``; the dashed
     line is the prevalence, the AUPRC of a model that guesses."""
     fig, axes = _grid(len(curves))
     for ax, (label, (recall, precision, auprc, prevalence)) in zip(axes, curves.items()):
         ax.axhline(prevalence, ls="--", color="#bbbbbb", lw=0.8)
         ax.step(recall, precision, where="post", color=OURS_COLOR, lw=1.5)
-        ax.set_title(f"{display_name(label)}\nAUPRC {auprc:.3f}, prevalence {prevalence:.3f}", fontsize=8)
+        ax.set_title(f"{display_name(label)}\nAUPRC {_three(auprc)}, prevalence {prevalence:.3f}", fontsize=8)
         _unit_axes(ax, "recall (sensitivity)", "precision (PPV)")
     return figure_to_data_uri(fig, tight=False)
 

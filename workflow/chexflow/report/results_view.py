@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sklearn.metrics import auc, roc_curve
+from sklearn.metrics import roc_curve
 
 from chexflow.evaluate import published
 from chexflow.evaluate.metrics import precision_recall
@@ -95,7 +95,7 @@ def roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]
                 dot = None
                 if op and op.get("sensitivity") is not None and op.get("specificity") is not None:
                     dot = (1.0 - op["specificity"], op["sensitivity"])
-                curves[lab] = (fpr, tpr, float(auc(fpr, tpr)), dot)
+                curves[lab] = (fpr, tpr, entries[lab]["auroc"], dot)     # the title: the recorded AUROC
         raw = metrics["raw_labels"][lab]
         ops.append({"display": plots.display_name(lab), "op": op, "split": split,
                     "val_pos": raw.get("val_positives"), "val_pos_patients": raw.get("val_positive_patients"),
@@ -121,7 +121,8 @@ def calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: l
             t, sc = df.loc[known, lab].to_numpy(float), df.loc[known, f"{lab}_score"].to_numpy(float)
             if np.unique(t).size == 2:
                 pr = precision_recall(t, sc)
-                curves[lab] = (np.asarray(pr["recall"]), np.asarray(pr["precision"]), pr["auprc"], pr["prevalence"])
+                curves[lab] = (np.asarray(pr["recall"]), np.asarray(pr["precision"]), raw[lab].get("auprc"),
+                               pr["prevalence"])   # the title: the recorded AUPRC
     bins = {lab: (raw[lab].get("calibration") or {}).get("bins") for lab in labels if raw[lab].get("calibration")}
     return {"rows": rows, "pr_plot": plots.pr_grid(curves) if curves else None,
             "reliability_plot": plots.reliability_grid(bins) if bins else None,
