@@ -215,15 +215,15 @@ def cmd_compare_ablation(args) -> None:
         raise ablation_compare.ComparisonInputError(f"--runs-json is not valid JSON: {exc}") from exc
     rec = ablation_compare.write_comparison(runs, args.out, main=args.main, n_resamples=evaluate.bootstrap_resamples,
                                             seed=evaluate.seed)
-    for d in rec["per_seed"]:
-        print(f"pretrained - random, seed {d['seed']}: {d['diff']:+.4f} (95% CI {d['ci_low']} to {d['ci_high']}): "
-              f"{d['verdict']}")
-    if rec["over_seeds"]:
-        o = rec["over_seeds"]
-        print(f"pretrained - random over {o['n_seeds']} seeds: {o['diff']:+.4f}: {o['verdict']}")
-    for c in rec["published"]:
+    def said(d: dict) -> str:
+        ci = "no CI" if d["ci_low"] is None else f"95% CI {d['ci_low']:+.4f} to {d['ci_high']:+.4f}"
+        return f"{d['diff']:+.4f} ({ci}): {d['verdict']}"
+
+    for c in [{"a": "pretrained", "b": "random", **rec}, *rec["published"]]:
         for d in c["per_seed"]:
-            print(f"{c['a']} - {c['b']}, seed {d['seed']}: {d['diff']:+.4f}: {d['verdict']}")
+            print(f"{c['a']} - {c['b']}, seed {d['seed']}: {said(d)}")
+        if c["over_seeds"]:
+            print(f"{c['a']} - {c['b']}, over {c['over_seeds']['n_seeds']} seeds: {said(c['over_seeds'])}")
 
 
 def _add_model_inputs(p: argparse.ArgumentParser, *, export: bool) -> None:

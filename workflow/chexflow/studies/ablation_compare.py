@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from chexflow.evaluate.comparison_record import (ARMS, FORMAT, ComparisonRecord, Difference, OverSeeds,
@@ -67,21 +68,20 @@ def _aligned(ref: pd.DataFrame, run: dict[str, Any]) -> pd.DataFrame:
     return other.set_index("image").loc[ref["image"]].reset_index()
 
 
-def _differences(by: dict[tuple[str, int], dict[str, Any]], a: str, b: str, seeds: list[int], ref: pd.DataFrame,
+def _differences(scores: dict[tuple[str, int], np.ndarray], a: str, b: str, seeds: list[int], ref: pd.DataFrame,
                  labels: list[str], boot: dict[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Arm ``a`` - arm ``b`` per seed (the paired bootstrap's result) and over seeds (None for one)."""
+    """Arm ``a`` - arm ``b`` per seed (the paired bootstrap's result) and over seeds (None for one);
+    ``scores``: each run's test scores in ``ref``'s row order."""
     y = ref[labels].to_numpy(float)
-    cols = [f"{lab}_score" for lab in labels]
     groups = ref["patient"].to_numpy()
-    scores = [(_aligned(ref, by[(a, s)])[cols].to_numpy(float), _aligned(ref, by[(b, s)])[cols].to_numpy(float))
-              for s in seeds]
+    pairs = [(scores[(a, s)], scores[(b, s)]) for s in seeds]
     per_seed = []
-    for s, (sa, sb) in zip(seeds, scores):
+    for s, (sa, sb) in zip(seeds, pairs):
         res = paired_bootstrap_auroc_diff(y, sa, sb, groups, labels, **boot)
         per_seed.append({**res, "seed": s, **verdict(res["ci"])})
     over = None
     if len(seeds) > 1:
-        o = paired_bootstrap_over_seeds(y, scores, groups, labels, **boot)
+        o = paired_bootstrap_over_seeds(y, pairs, groups, labels, **boot)
         over = {**o, **verdict(o["ci"], o["t_ci"])}
     return per_seed, over
 
@@ -111,7 +111,9 @@ def compare(runs: dict[str, Any], *, main: str, n_resamples: int, seed: int) -> 
                                        f"main run's {labels}")
     boot = {"n_resamples": int(n_resamples), "seed": int(seed)}
     ref = by[("pretrained", seeds[0])]["predictions"]
-    per_seed, over = _differences(by, "pretrained", "random", seeds, ref, labels, boot)
+    cols = [f"{lab}_score" for lab in labels]
+    scores = {key: _aligned(ref, run)[cols].to_numpy(float) for key, run in by.items()}   # each run aligned once
+    per_seed, over = _differences(scores, "pretrained", "random", seeds, ref, labels, boot)
     for d in per_seed:
         d["epochs"] = {init: by[(init, d["seed"])]["metrics"].get("model_epoch") for init in ("pretrained", "random")}
     return {
@@ -121,7 +123,7 @@ def compare(runs: dict[str, Any], *, main: str, n_resamples: int, seed: int) -> 
         "seeds": seeds,
         "runs": [_run_record(r) for r in sorted(loaded, key=lambda r: (r["seed"], ARMS.index(r["init"])))],
         "per_seed": per_seed, "over_seeds": over,
-        "published": _published(by, seeds, ref, labels, boot),
+        "published": _published(scores, seeds, ref, labels, boot),
     }
 
 
@@ -133,18 +135,18 @@ def _run_record(r: dict[str, Any]) -> RunRecord:
             **{k: str(r["files"][k]) for k in RUN_FILES}}
 
 
-def _published(by: dict[tuple[str, int], dict[str, Any]], seeds: list[int], ref: pd.DataFrame, labels: list[str],
+def _published(scores: dict[tuple[str, int], np.ndarray], seeds: list[int], ref: pd.DataFrame, labels: list[str],
                boot: dict[str, int]) -> list[PublishedComparison]:
     """The published-weights arm against random and against pretrained, per seed (of ``seeds``, those
     with all three arms) and over seeds; empty without that arm."""
-    with_file = [s for s in seeds if ("file", s) in by]
+    with_file = [s for s in seeds if ("file", s) in scores]
     if not with_file:
-        if any(init == "file" for init, _ in by):
+        if any(init == "file" for init, _ in scores):
             raise ComparisonInputError("the ablation's published-weights runs share no seed with both other arms")
         return []
     out = []
     for a, b, title in PUBLISHED_PAIRS:
-        per_seed, over = _differences(by, a, b, with_file, ref, labels, boot)
+        per_seed, over = _differences(scores, a, b, with_file, ref, labels, boot)
         out.append({"a": a, "b": b, "title": title, "over_seeds": _brief_over(over),
                     "per_seed": [_brief(d) for d in per_seed]})
     return out
