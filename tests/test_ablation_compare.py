@@ -202,3 +202,26 @@ def test_the_report_refuses_a_tampered_record_with_status_7(tmp_path):
     assert proc.returncode == 7, proc.stderr
     assert f"{path}: per_seed[0].verdict: expected one of ['helps', 'hurts', 'inconclusive'], got 'certainly'" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("role", ["metrics", "predictions", "training"])
+def test_a_fifo_or_a_folder_in_place_of_a_runs_file_is_named_for_what_it_is(tmp_path, role):
+    """Each of a run's files is read only if it is a regular file: a FIFO never blocks the stage, and
+    neither it nor a folder is reported as missing; a missing file is."""
+    runs, _, _, _ = _arms(tmp_path)
+    target = Path(runs["random_seed0"][role])
+    if role == "training":                       # the fixture's runs share one training log: give this run its own
+        target = tmp_path / "random_training.jsonl"
+        runs["random_seed0"]["training"] = str(target)
+    else:
+        target.unlink()
+    os.mkfifo(target)
+    with pytest.raises(OSError, match=r"FIFO \(named pipe\), not a regular file; not read"):
+        ablation_compare.compare(runs, main="pretrained_seed0", **BOOT)
+    target.unlink()
+    target.mkdir()
+    with pytest.raises(OSError, match="directory, not a regular file; not read"):
+        ablation_compare.compare(runs, main="pretrained_seed0", **BOOT)
+    target.rmdir()
+    with pytest.raises(ValueError, match=f"not found: {target}"):
+        ablation_compare.compare(runs, main="pretrained_seed0", **BOOT)

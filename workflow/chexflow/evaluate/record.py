@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from chexflow.evaluate.metrics import operating_point, youden_threshold
+from chexflow.fsutil import open_regular, read_text_regular
 
 Split = Literal["validation", "test"]
 SPLITS: tuple[Split, ...] = ("validation", "test")
@@ -117,10 +118,10 @@ def read_metrics(path: Path) -> dict[str, Any]:
     """``metrics.json`` checked against the evaluation's format (the record as written, numbers as
     float or None); anything else fails naming the file and the key."""
     path = Path(path)
-    if not path.is_file():
-        raise MetricsRecordError(f"metrics.json not found: {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_regular(path, what="metrics.json"))
+    except FileNotFoundError as exc:
+        raise MetricsRecordError(f"metrics.json not found: {path}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MetricsRecordError(f"metrics.json {path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -155,10 +156,11 @@ def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
     """``predictions.csv`` as ``evaluate.run`` writes it: image, patient, then per label ``L`` (0/1/empty)
     and ``L_score``; anything else fails naming the file and the column."""
     path = Path(path)
-    if not path.is_file():
-        raise PredictionsRecordError(f"predictions.csv not found: {path}")
     try:
-        df = pd.read_csv(path, dtype={"image": str, "patient": str})
+        with open_regular(path, what="predictions.csv") as fh:
+            df = pd.read_csv(fh, dtype={"image": str, "patient": str})
+    except FileNotFoundError as exc:
+        raise PredictionsRecordError(f"predictions.csv not found: {path}") from exc
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise PredictionsRecordError(f"{path}: cannot parse as CSV: {exc}") from exc
     needed = ["image", "patient"] + [c for lab in labels for c in (lab, f"{lab}_score")]

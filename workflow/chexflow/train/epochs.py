@@ -19,10 +19,10 @@ class EpochsRecordError(ValueError):
 def read_epochs(path: Path, what: str) -> list[dict[str, Any]]:
     """The epochs of ``path`` in order; ``what``: the run, for the messages ("fine-tuning", ...)."""
     path = Path(path)
-    if not path.is_file():
-        raise EpochsRecordError(f"{what} training metrics not found: {path}")
     try:
         text = read_text_regular(path, what=f"{what} training metrics")
+    except FileNotFoundError as exc:
+        raise EpochsRecordError(f"{what} training metrics not found: {path}") from exc
     except UnicodeDecodeError as exc:
         raise EpochsRecordError(f"{path}: not UTF-8 text: {exc}") from exc
     epochs = []
