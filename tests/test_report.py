@@ -431,3 +431,21 @@ def test_figure_titles_show_the_recorded_metrics_not_a_recomputation(inputs, mon
     drawn.clear()
     results_view.roc_view(df, labels, metrics)
     assert drawn["roc"][first][2] is None and plots._three(None) == "n/a" and plots._three(0.12345) == "0.123"
+
+
+@pytest.mark.parametrize("key", ["metrics_json", "finetune_metrics", "predictions_csv", "benchmark", "manifest"])
+def test_a_fifo_or_folder_in_place_of_an_input_is_named_for_what_it_is(tmp_path: Path, inputs: dict, key: str):
+    """Every input is opened as a regular file only: a FIFO never blocks the report and, like a
+    folder, is named for what it is (not "not found"); nothing is written."""
+    import os
+    path = {"benchmark": lambda: inputs["stage_benchmarks"]["finetune"],
+            "manifest": lambda: next(iter(inputs["manifests"].values()))}.get(key, lambda: inputs[key])()
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(OSError, match=rf"{re.escape(str(path))}: a FIFO \(named pipe\), not a regular file; not read"):
+        _render(tmp_path / "r.html", inputs)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(OSError, match="directory, not a regular file; not read"):
+        _render(tmp_path / "r.html", inputs)
+    assert not (tmp_path / "r.html").exists()

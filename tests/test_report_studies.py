@@ -292,3 +292,23 @@ def _noisy_arm(tmp_path, inputs, main, labels, rng, init: str, seed: int, noise:
                     for lab in labels if main.loc[known[lab], lab].nunique() == 2])
     return {"metrics": d / "metrics.json", "predictions": d / "predictions.csv",
             "training": inputs["finetune_metrics"]}, mean
+
+
+def test_a_fifo_in_place_of_a_study_file_is_named_for_what_it_is(tmp_path):
+    """The scaling plot (read as bytes) and the sweep table (CSV) are opened as regular files only: a
+    FIFO is named for what it is and never blocks; a missing file is "not found"."""
+    import os
+    inputs = _make_inputs(tmp_path)
+    studies = _study_inputs(tmp_path, inputs)
+    for key in ("scaling_plot", "sweep_table"):
+        kept = studies[key].read_bytes()
+        studies[key].unlink()
+        os.mkfifo(studies[key])
+        with pytest.raises(OSError, match=rf"{studies[key].name}: a FIFO \(named pipe\), not a regular file"):
+            _render(tmp_path / "r.html", _with_studies(inputs, studies))
+        studies[key].unlink()
+        with pytest.raises(render.ReportInputError, match=f"not found: {studies[key]}"):
+            _render(tmp_path / "r.html", _with_studies(inputs, studies))
+        studies[key].write_bytes(kept)
+    _render(tmp_path / "r.html", _with_studies(inputs, studies))      # restored: rendered
+    assert (tmp_path / "r.html").is_file()

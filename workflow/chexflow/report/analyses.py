@@ -12,6 +12,7 @@ import numpy as np
 from chexflow.evaluate import published
 from chexflow.report import plots
 from chexflow.report.errors import ReportInputError
+from chexflow.report.inputs import opened
 
 ATTRIBUTE_NAMES = {"sex": "Sex", "age_band": "Age (years)", "view": "View position"}
 
@@ -94,14 +95,13 @@ def localisation_view(metrics: dict[str, Any], saliency: Path | None, labels: li
 
 def _gallery(path: Path, labels: list[str]) -> list[dict[str, Any]]:
     """The saliency gallery (saliency.npz of the evaluation): one overlay figure per finding."""
-    if not path.is_file():
-        raise ReportInputError(f"saliency gallery not found: {path}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            inputs, heat = z["inputs"].astype(np.float32), z["heatmaps"].astype(np.float32)
-            meta = json.loads(str(z["meta"]))
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise ReportInputError(f"{path}: not a saliency gallery of chexflow evaluate ({exc})") from exc
+    with opened(path, "saliency gallery") as fh:
+        try:
+            with np.load(fh, allow_pickle=False) as z:
+                inputs, heat = z["inputs"].astype(np.float32), z["heatmaps"].astype(np.float32)
+                meta = json.loads(str(z["meta"]))
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+            raise ReportInputError(f"{path}: not a saliency gallery of chexflow evaluate ({exc})") from exc
     if not (len(meta) == len(inputs) == len(heat)):
         raise ReportInputError(f"{path}: {len(meta)} entries but {len(inputs)} inputs and {len(heat)} heatmaps")
     out = []

@@ -3,15 +3,17 @@ file that fails naming the file and what is wrong with it."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 import pandas as pd
 
 from chexflow.evaluate.comparison_record import ComparisonRecordError, read_comparison
 from chexflow.evaluate.record import MetricsRecordError, PredictionsRecordError, read_metrics, read_predictions
+from chexflow.fsutil import open_regular
 from chexflow.report.errors import ReportInputError
 from chexflow.report.templating import hms
 from chexflow.train.epochs import EpochsRecordError, read_epochs
@@ -59,12 +61,23 @@ def _path(key: str, value: Any) -> Path:
     return Path(value)
 
 
+@contextlib.contextmanager
+def opened(path: Path, what: str) -> Iterator[BinaryIO]:
+    """``path`` opened as a regular file only (``fsutil.open_regular``: a FIFO or folder is named for
+    what it is and never blocks); a missing one fails naming ``what``."""
+    try:
+        fh = open_regular(path, what=what)
+    except FileNotFoundError as exc:
+        raise ReportInputError(f"{what} not found: {path}") from exc
+    with fh:
+        yield fh
+
+
 def read_json(path: Path, what: str) -> Any:
     path = Path(path)
-    if not path.is_file():
-        raise ReportInputError(f"{what} not found: {path}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        with opened(path, what) as fh:
+            return json.loads(fh.read().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReportInputError(f"{what} {path} is not valid JSON: {exc}") from exc
 
@@ -141,10 +154,9 @@ def load_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
 def load_benchmark(path: Path, stage: str) -> dict[str, Any]:
     """Snakemake ``benchmark:`` file (TSV with header ``s  h:m:s  max_rss ...``); repeats averaged."""
     path = Path(path)
-    if not path.is_file():
-        raise ReportInputError(f"benchmark file of stage {stage!r} not found: {path}")
     try:
-        df = pd.read_csv(path, sep="\t", na_values=["-", "NA"])
+        with opened(path, f"benchmark file of stage {stage!r}") as fh:
+            df = pd.read_csv(fh, sep="\t", na_values=["-", "NA"])
     except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise ReportInputError(f"{path}: cannot parse Snakemake benchmark TSV: {exc}") from exc
     if "s" not in df.columns or df.empty:
@@ -157,10 +169,9 @@ def load_benchmark(path: Path, stage: str) -> dict[str, Any]:
 
 def read_csv(path: Path, what: str, columns: tuple[str, ...]) -> pd.DataFrame:
     path = Path(path)
-    if not path.is_file():
-        raise ReportInputError(f"{what} not found: {path}")
     try:
-        df = pd.read_csv(path)
+        with opened(path, what) as fh:
+            df = pd.read_csv(fh)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ReportInputError(f"{path}: cannot parse as CSV: {exc}") from exc
     missing = [c for c in columns if c not in df.columns]
@@ -170,10 +181,8 @@ def read_csv(path: Path, what: str, columns: tuple[str, ...]) -> pd.DataFrame:
 
 
 def png_data_uri(path: Path, what: str) -> str:
-    path = Path(path)
-    if not path.is_file():
-        raise ReportInputError(f"{what} not found: {path}")
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+    with opened(Path(path), what) as fh:
+        return "data:image/png;base64," + base64.b64encode(fh.read()).decode("ascii")
 
 
 def records(df: pd.DataFrame) -> list[dict[str, Any]]:
