@@ -21,7 +21,12 @@
 # Offline machines: install the packages of envs/requirements.txt first (e.g. pip install
 # --no-index --find-links WHEELS ...; keep the machine's own CUDA torch). FASHION_MNIST=<dir with the
 # four Fashion-MNIST .gz files> when /usr/share/datasets/fashion-mnist is absent.
+# CHEXFLOW_HOROVOD_SDIST=<horovod-0.28.1.tar.gz> builds Horovod from that file instead of downloading
+# it; HOROVOD_BUILD_CUDA_CC_LIST=90 (Hopper) compiles its CUDA kernels for this GPU only.
 # CHEXFLOW_GPU_CHECK_STEPS="tests demo bench" selects steps; BENCH_ARCHS="resnet50 densenet121".
+# Time on an H200 (16 cores, 2026-11-28): set-up 30 s, Horovod build 2.7 min, tests 2.8 min, bench
+# 3 min, demo 1.5 min: about 10.5 min in all. Where one command may run 10 min at most, run it in two
+# (CHEXFLOW_GPU_CHECK_STEPS="tests", then "bench demo"); each step's seconds are in the summary.
 #
 # Inside chexflow's image (envs/Containerfile, docs/container.md), with this checkout bound into it:
 #   bash bench/gpu_check.sh --image chexflow.sif       # apptainer exec --nv (singularity: CHEXFLOW_RUNNER)
@@ -65,21 +70,26 @@ if [ "${CHEXFLOW_IN_IMAGE:-0}" = 1 ]; then    # the image's chexflow and Horovod
   status[horovod_build]=${status[horovod_build]:-failed}
 else
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install-$stamp.log" 2>&1 || true
-  if "$PY" -m chexflow_install.horovod >>"$RES/install-$stamp.log" 2>&1; then
+  sdist=(${CHEXFLOW_HOROVOD_SDIST:+--sdist "$CHEXFLOW_HOROVOD_SDIST"})
+  start=$(date +%s)
+  if "$PY" -m chexflow_install.horovod "${sdist[@]}" >>"$RES/install-$stamp.log" 2>&1; then
     status[horovod_build]=nccl
-  elif "$PY" -m chexflow_install.horovod --with-nccl no >>"$RES/install-$stamp.log" 2>&1; then
+  elif "$PY" -m chexflow_install.horovod --with-nccl no "${sdist[@]}" >>"$RES/install-$stamp.log" 2>&1; then
     status[horovod_build]=no-gpu-ops
   else
     status[horovod_build]=failed
   fi
+  status[horovod_build_s]=$(( $(date +%s) - start ))
 fi
 say "horovod build: ${status[horovod_build]} (log $RES/install-$stamp.log)"
 
 if [[ " $STEPS " == *" tests "* ]]; then
   say "GPU tests"
+  start=$(date +%s)
   "$PY" -m pytest -m gpu tests/test_gpu.py tests/test_predict.py -v -p no:cacheprovider --junitxml "$RES/gpu_tests-$stamp.xml" \
     >"$RES/gpu_tests-$stamp.log" 2>&1 && status[tests]=passed || status[tests]=failed
-  say "GPU tests: ${status[tests]} ($(tail -1 "$RES/gpu_tests-$stamp.log"))"
+  status[tests_s]=$(( $(date +%s) - start ))
+  say "GPU tests: ${status[tests]} in ${status[tests_s]} s ($(tail -1 "$RES/gpu_tests-$stamp.log"))"
 fi
 
 if [[ " $STEPS " == *" demo "* ]]; then
@@ -104,6 +114,7 @@ if [[ " $STEPS " == *" demo "* ]]; then
 fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
+  start=$(date +%s)
   for arch in $ARCHS; do
     say "throughput $arch (224 px, bf16, batch 256, $WORKERS loader workers)"
     backend=horovod
@@ -133,6 +144,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
     status[bench_predict]=failed
   fi
   say "predict: ${status[bench_predict]} ($(tail -1 "$RES/predict-$stamp.log"))"
+  status[bench_s]=$(( $(date +%s) - start ))
 fi
 
 summary="$RES/gpu_check-$stamp.json"

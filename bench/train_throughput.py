@@ -51,7 +51,7 @@ def write_shards(root: Path, *, n_train: int, n_val: int, size: int, per_shard: 
     rng = np.random.default_rng(0)
     splits = {}
     for split, n in (("train", n_train), ("val", n_val)):
-        shards = []
+        shards, positives = [], np.zeros(N_LABELS, np.int64)
         for first in range(0, n, per_shard):
             path = root / f"{split}-{first // per_shard:05d}.tar"
             count = min(per_shard, n - first)
@@ -59,12 +59,16 @@ def write_shards(root: Path, *, n_train: int, n_val: int, size: int, per_shard: 
                 for i in range(first, first + count):
                     img, tgt = io.BytesIO(), io.BytesIO()
                     np.save(img, rng.integers(0, 256, (size, size), dtype=np.uint8), allow_pickle=False)
-                    np.save(tgt, (rng.random(N_LABELS) < 0.1).astype(np.float32), allow_pickle=False)
+                    target = (rng.random(N_LABELS) < 0.1).astype(np.float32)
+                    positives += target.astype(np.int64)
+                    np.save(tgt, target, allow_pickle=False)
                     sink.write({"__key__": f"{split}{i:08d}", "img.npy": img.getvalue(),
                                 "target.npy": tgt.getvalue(),
                                 "meta.json": json.dumps({"image": f"{split}{i}.png", "patient": str(i)}).encode()})
             shards.append({"path": path.name, "count": count, "sha256": sha256_file(path)})
-        splits[split] = {"n_images": n, "shards": shards}
+        # one patient per image; label counts as the shard stage writes them (the run id reads both)
+        splits[split] = {"n_images": n, "n_patients": n, "shards": shards,
+                         "label_counts": {f"label{i}": int(c) for i, c in enumerate(positives)}}
     manifest = {"dataset": "bench", "title": "random bench images", "synthetic": True, "task": "multilabel",
                 "labels": [f"label{i}" for i in range(N_LABELS)], "image_size": size, "encoding": "raw",
                 "splits": splits, "n_rejects": 0}

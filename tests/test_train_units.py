@@ -226,3 +226,31 @@ def test_optimizer_implementations_agree_and_fused_is_the_default(name):
     for impl in ("fused", "foreach"):
         for a, b in zip(results[impl], results["for-loop"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_index_is_a_visible_device_for_every_local_rank():
+    """Two ranks sharing one GPU, or one GPU per task (SLURM shows each task device 0 alone): local
+    rank 1 has no device 1. DDP's device_ids took the local rank and rank 1 died in its first
+    backward on the H200 (bench/results/gpu_tests-20261128-h200.log); set_device and device_ids
+    now take this one index."""
+    from chexflow.train.backends.base import DistributedError, gpu_index
+    assert [gpu_index(r, 1) for r in range(4)] == [0, 0, 0, 0]
+    assert [gpu_index(r, 4) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    with pytest.raises(DistributedError, match="no CUDA device"):
+        gpu_index(0, 0)
+
+
+def test_ieee_fp32_turns_tf32_off_inside_and_restores_the_flags():
+    from chexflow.train.models import ieee_fp32
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        for conv, matmul in ((True, False), (True, True), (False, True)):
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+            with ieee_fp32():
+                assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (False, False)
+            assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (conv, matmul)
+        with pytest.raises(RuntimeError, match="boom"), ieee_fp32():
+            raise RuntimeError("boom")
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (False, True)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

@@ -26,6 +26,7 @@ from chexflow.evaluate.record import LabelRecord, choose_operating_point
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model
 from chexflow.train.config import TrainConfig
+from chexflow.train.models import ieee_fp32
 
 
 def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
@@ -33,7 +34,7 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
     batches = loader.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
     scores, targets, patients, images = [], [], [], []
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), ieee_fp32():
         for x, y, ids in batches:
             z = loader.gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
             scores.append(torch.sigmoid(model(z).float()).cpu().numpy())

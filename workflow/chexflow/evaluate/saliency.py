@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from chexflow.train.models import backbone_stages
+from chexflow.train.models import backbone_stages, ieee_fp32
 
 
 def stage_sides(model: torch.nn.Module, *, crop: int, in_channels: int, device) -> list[tuple[str, int]]:
@@ -71,7 +71,8 @@ def gradcam(model: torch.nn.Module, layer: torch.nn.Module, inputs: torch.Tensor
     for b0 in range(0, inputs.shape[0], batch_size):
         x = inputs[b0:b0 + batch_size].to(device)
         t = [int(v) for v in targets[b0:b0 + batch_size]]
-        attr = cam.attribute(x, target=t, relu_attributions=True)
+        with ieee_fp32():
+            attr = cam.attribute(x, target=t, relu_attributions=True)
         up = LayerAttribution.interpolate(attr, (side, side), interpolate_mode="bilinear")
         out.append(up[:, 0].detach().float().cpu().numpy())
     if not out:

@@ -23,6 +23,7 @@ import torch
 from chexflow.data import loader, registry
 from chexflow.fsutil import read_regular
 from chexflow.train.checkpoint import load_model
+from chexflow.train.models import ieee_fp32
 
 
 class PredictInputError(ValueError):
@@ -73,7 +74,7 @@ class Predictor:
 
     def probabilities(self, images: torch.Tensor) -> np.ndarray:
         """float32 ``[B, labels]``: sigmoid outputs for uint8 ``[B, S, S]`` images (S: the stored size)."""
-        with torch.no_grad():
+        with torch.no_grad(), ieee_fp32():
             x = self.preprocess.network_input(images.to(self.device))
             return torch.sigmoid(self.model(x).float()).cpu().numpy()
 

@@ -1,6 +1,9 @@
 """Backbones from torchvision with a grey-image stem and a task head."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torchvision
 
@@ -9,6 +12,20 @@ from chexflow.train.weights import weights_problem
 
 class ModelError(ValueError):
     pass
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """float32 computed as float32 on CUDA while inside: no TF32 in cuDNN convolutions (PyTorch lets
+    them use it by default) nor in matmuls; the flags are restored on exit. Inference runs in it
+    (evaluation's scores, predict, Grad-CAM): with TF32 a ResNet's probabilities on an H200 moved by
+    up to 8e-4 from the CPU's, without it they agree to float32 rounding. Training does not (bf16)."""
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
 
 
 def _head_name(model: torch.nn.Module) -> str:

@@ -15,6 +15,16 @@ class DistributedError(RuntimeError):
     """The launch environment and the requested backend do not fit together."""
 
 
+def gpu_index(local_rank: int, n_visible: int) -> int:
+    """The CUDA device of a rank: its local rank among the devices it sees, modulo their number. One
+    GPU per task (SLURM's --gpus-per-task or gpu-bind shows each task a single device, index 0) and
+    several ranks sharing one GPU both land on a device that exists; every use of the rank's device
+    (``set_device``, DDP's ``device_ids``) takes this one index."""
+    if n_visible < 1:
+        raise DistributedError("no CUDA device visible to this rank")
+    return local_rank % n_visible
+
+
 class Backend:
     """World of ranks. Subclasses implement the communication; this class is the single-process one."""
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from chexflow.train.checkpoint import to_cpu
-from chexflow.train.backends.base import Backend, DistributedError
+from chexflow.train.backends.base import Backend, DistributedError, gpu_index
 
 
 def _env_from_slurm() -> None:
@@ -57,8 +57,10 @@ class DDPBackend(Backend):
         self.spec = process_group_spec(process_group, cuda=cuda)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")).split("(")[0] or 1)
+        # the rank's CUDA device (None on CPU): set here, handed to DDP as its one device_id
+        self.device_index = gpu_index(self.local_rank, torch.cuda.device_count()) if cuda else None
         if cuda:
-            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device_index)
         dist.init_process_group(backend=self.spec, timeout=datetime.timedelta(seconds=timeout_s))
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         # a tensor stays on its device when the group has a backend for it; a single-backend NCCL
@@ -116,7 +118,9 @@ class DDPBackend(Backend):
 
     def wrap(self, model, optimizer, *, fp16_compression: bool, backward_passes_per_step: int):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = DDP(model, device_ids=[self.local_rank] if torch.cuda.is_available() else None,
+        # device_ids: the device set at init, not the local rank (two ranks sharing a GPU, or one GPU
+        # per task, have local rank 1 and no device 1)
+        ddp = DDP(model, device_ids=None if self.device_index is None else [self.device_index],
                   broadcast_buffers=False)
         if fp16_compression:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from chexflow.train.checkpoint import to_cpu
-from chexflow.train.backends.base import Backend, DistributedError, expected_world_size
+from chexflow.train.backends.base import Backend, DistributedError, expected_world_size, gpu_index
 
 
 def dense_layout_compression(inner, *, stage_through_cpu: bool = False):
@@ -76,7 +76,7 @@ class HorovodBackend(Backend):
                 "under srun Horovod must be built with MPI (HOROVOD_WITH_MPI) and started with "
                 "--mpi=pmix; check `horovodrun --check-build`")
         if torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(gpu_index(self.local_rank, torch.cuda.device_count()))
 
     def _broadcast_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         if not self.stage_through_cpu:

@@ -1,0 +1,33 @@
+"""The benchmark scripts that bench/gpu_check.sh runs on a GPU machine also run here, on CPU, small.
+
+A GPU lease is minutes long: a script that breaks on its first line there costs the figures of the
+whole lease. bench/train_throughput.py did (its hand-written manifest lacked fields the run id
+reads, found on an H200 on 2026-11-28); this runs it for real, tiny, on CPU.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_train_throughput_runs_its_three_measurements(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--arch", "resnet18",
+                           "--crop", "32", "--stored", "40", "--batch", "8", "--steps", "3", "--warmup", "1",
+                           "--workers", "1", "--backend", "single", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["arch"], r["batch"], r["backend"], r["precision"]) == ("resnet18", 8, "single", "fp32")
+    assert r["bare_img_s"] > 0 and r["full_img_s"] > 0 and r["loader_img_s"] > 0
+    # the ratios are of the unrounded rates; the rates are written to 0.1 img/s
+    assert r["full_over_bare"] == pytest.approx(r["full_img_s"] / r["bare_img_s"], rel=5e-3)
+    assert r["loader_over_full"] == pytest.approx(r["loader_img_s"] / r["full_img_s"], rel=5e-3)
+    assert "chexflow full" in proc.stdout and "loader alone" in proc.stdout
