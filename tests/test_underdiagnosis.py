@@ -69,6 +69,51 @@ def test_rates_by_hand_at_image_and_patient_level():
     assert rows[0]["image_rate"] == 0.4 and rows[0]["patients_missed"] == 1 and list(rows[0]) == list(U.COLUMNS)
 
 
+def test_an_image_positive_only_for_a_finding_without_a_threshold_is_set_aside_not_missed():
+    """The issue's case: 5 images positive for A (scored 0.9, threshold 0.5) and 5 positive only for H
+    (no threshold, scored 0.99): the call cannot flag H, so those 5 are set aside; the rate is 0 of 5,
+    not 5 of 10."""
+    y = np.array([[1, 0]] * 5 + [[0, 1]] * 5, float)
+    s = np.array([[0.9, 0.0]] * 5 + [[0.0, 0.99]] * 5)
+    patients = np.array([f"p{k}" for k in range(10)])
+    images = [f"i{k}.png" for k in range(10)]
+    rec = U.audit(y, s, patients, ["A", "H"], {"A": 0.5, "H": None}, None, age_edges=(18,), min_count=2,
+                  n_resamples=50, seed=0, images=images)
+    o = rec["overall"]
+    assert (o["image"]["n"], o["image"]["missed"], o["image"]["rate"]) == (5, 0, 0.0)
+    assert (o["patient"]["n"], o["patient"]["missed"], o["patient"]["rate"]) == (5, 0, 0.0)
+    assert o["n_images_set_aside"] == 5 and o["n_images"] == 10
+    aside = rec["set_aside"]
+    assert (aside["n_images"], aside["n_patients"], aside["by_finding"]) == (5, 5, {"H": 5})
+    assert aside["images"] == images[5:] and "without a validation-chosen threshold" in aside["why"]
+    assert U.table(rec)[0]["images_set_aside"] == 5
+    # an image positive for A and H is not set aside: A is called (here flagged); unknown labels are not positive
+    y2 = np.vstack([y, [[1, 1], [np.nan, 1], [0, np.nan]]])
+    s2 = np.vstack([s, [[0.1, 0.0], [0.9, 0.0], [0.0, 0.0]]])
+    rec = U.audit(y2, s2, np.append(patients, ["p10", "p11", "p12"]), ["A", "H"], {"A": 0.5, "H": None}, None,
+                  age_edges=(18,), min_count=2, n_resamples=50, seed=0)
+    assert (rec["overall"]["image"]["n"], rec["overall"]["image"]["missed"]) == (6, 1)
+    assert rec["set_aside"]["n_images"] == 6 and rec["set_aside"]["images"] is None
+
+
+def test_every_cell_has_the_exact_interval_of_its_patient_rate():
+    """Below min_count the bootstrap CI is left out, the Clopper-Pearson interval is not (scipy's
+    binomtest); a cell without a patient with a finding has none."""
+    y, s, patients, fields = _case()
+    rec = U.audit(y, s, patients, LABELS, THRESHOLDS, fields, age_edges=(18, 40, 60, 80), min_count=3,
+                  n_resamples=50, seed=0)
+    for c in [rec["overall"], *rec["groups"], *rec["intersections"]]:
+        k, n = c["patient"]["missed"], c["patient"]["n"]
+        expected = list(binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")) if n else None
+        assert c["patient"]["ci_exact"] == (pytest.approx(expected) if n else None), c
+    groups = {(g["attribute"], g["group"]): g for g in rec["groups"]}
+    female = groups[("sex", "female")]          # 1 of 2 patients missed, below min_count 3
+    assert female["patient"]["ci"] is None and female["note"].startswith("too few patients")
+    assert female["patient"]["ci_exact"] == pytest.approx([0.0126, 0.9874], abs=1e-4)
+    row = next(r for r in U.table(rec) if r["group"] == "female")
+    assert row["patient_exact_ci_low"] == pytest.approx(0.0126, abs=1e-4)
+
+
 def test_without_thresholds_or_fields():
     y, s, patients, _ = _case()
     rec = U.audit(y, s, patients, LABELS, {}, None, age_edges=(18,), min_count=2, n_resamples=10, seed=0)

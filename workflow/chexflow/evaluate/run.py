@@ -114,7 +114,8 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
                                    seed=cfg.seed)}
     result["underdiagnosis"] = underdiagnosis.audit(
         y, s, patients, labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()}, fields,
-        age_edges=cfg.age_bands, min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
+        age_edges=cfg.age_bands, min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed,
+        images=images)
     stored = int(loader.read_manifest(Path(manifest)).get("image_size") or crop)
     heat = _saliency(cfg, model, info, labels, test, result, manifest=Path(manifest), crop=crop, stored=stored,
                      boxes=boxes, box_frame=box_frame, device=device) if heatmaps else _NO_HEATMAPS
