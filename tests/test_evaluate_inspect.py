@@ -154,11 +154,12 @@ def test_localisation_scores_every_boxed_positive_of_the_test_split(evaluated):
 
 def _underdiagnosis_by_hand(root: Path) -> dict:
     """Image- and patient-level underdiagnosis from predictions.csv, the thresholds in metrics.json and
-    the label table, with pandas: overall and by sex."""
+    the label table, with pandas: overall and by sex (an image positive only for findings without a
+    threshold has no finding the call could flag: set aside)."""
     m = _metrics(root)
     pred = pd.read_csv(root / "evaluate" / "predictions.csv", dtype={"patient": str})
     thr = {lab: e["threshold_val_youden"] for lab, e in m["labels"].items() if "threshold_val_youden" in e}
-    pred["finding"] = (pred[list(m["labels"])] == 1).any(axis=1)
+    pred["finding"] = (pred[list(thr)] == 1).any(axis=1)      # the findings the call uses: truth and call alike
     pred["called_none"] = np.logical_and.reduce([pred[f"{lab}_score"] < t for lab, t in thr.items()])
     table = pd.read_csv(root / "raw" / nih.LABEL_CSV_NAME).set_index("Image Index")
     pred["sex"] = table.loc[pred["image"], "Patient Gender"].map({"M": "male", "F": "female"}).to_numpy()
@@ -182,6 +183,9 @@ def test_underdiagnosis_matches_the_predictions(evaluated):
         if c["patient"]["ci"]:
             assert c["patient"]["ci"][0] <= c["patient"]["rate"] <= c["patient"]["ci"][1]
     assert n_img > 0 and rec["labels_used"]
+    pred = pd.read_csv(evaluated / "evaluate" / "predictions.csv")
+    aside = (pred[rec["labels_without_threshold"]] == 1).any(axis=1) & ~(pred[rec["labels_used"]] == 1).any(axis=1)
+    assert rec["set_aside"]["images"] == pred.loc[aside, "image"].tolist()
     rows = pd.read_csv(evaluated / "evaluate" / "underdiagnosis.csv")
     assert rows.loc[0, "kind"] == "overall" and rows.loc[0, "images_missed"] == want["all"][1]
     assert set(rows["kind"]) == {"overall", "subgroup", "intersection"}
