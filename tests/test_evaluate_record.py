@@ -46,7 +46,26 @@ def test_one_class_in_validation_falls_back_to_test_and_says_so():
     op = record.choose_operating_point(np.zeros(10), np.linspace(0, 1, 10), ty, ts)
     assert op["operating_point_split"] == "test" and "threshold_val_youden" not in op    # predict never applies it
     assert op["test_operating_point"]["threshold"] == pytest.approx(_youden(ty, ts))
-    assert record.choose_operating_point(*_data(4), np.zeros(5), np.arange(5.0)) == {}    # one class in test
+    assert record.choose_operating_point(np.ones(4), np.arange(4.0), np.zeros(5), np.arange(5.0)) == {}   # both one
+
+
+def test_one_class_in_test_keeps_the_validation_threshold():
+    """Validation holds both classes, test only negatives: the threshold chosen on validation stands
+    (the predict record and the underdiagnosis call keep it); on test only what negatives measure."""
+    vy, vs = _data(4)
+    ty, ts = np.zeros(5), np.array([0.1, 0.2, 0.3, 0.9, 0.95])
+    op = record.choose_operating_point(vy, vs, ty, ts)
+    assert op["operating_point_split"] == "validation"
+    assert op["threshold_val_youden"] == pytest.approx(_youden(vy, vs))
+    point = op["test_operating_point"]
+    assert point["sensitivity"] is None and point["ppv"] in (0.0, None)
+    assert point["specificity"] == pytest.approx(float((ts < op["threshold_val_youden"]).mean()))
+    assert point["tn"] + point["fp"] == 5 and point["tp"] + point["fn"] == 0
+    empty = record.choose_operating_point(vy, vs, np.zeros(0), np.zeros(0))       # no known test label at all
+    assert empty["threshold_val_youden"] == op["threshold_val_youden"]
+    assert empty["test_operating_point"] == {"threshold": op["threshold_val_youden"], "sensitivity": None,
+                                             "specificity": None, "ppv": None, "npv": None, "f1": None,
+                                             "tp": 0, "fp": 0, "tn": 0, "fn": 0}
 
 
 def _write(tmp_path: Path, metrics: dict) -> Path:

@@ -7,11 +7,12 @@ mean's CI is ``bootstrap.mean_auroc_ci``. A finding's operating point is the eva
 recorded with the split its threshold was chosen on (``operating_point_split``):
 
 * ``"validation"``: Youden's J on the validation predictions (``threshold_val_youden``), applied to
-  test (``test_operating_point``); the threshold the predict stage uses;
+  test (``test_operating_point``; with one class in test, the rates it cannot measure are null); the
+  threshold the predict stage uses;
 * ``"test"``: the fallback when validation holds one class of the finding but test holds both: the
   Youden threshold of the test predictions themselves. It is optimistic (chosen and measured on the
   same images) and is never written as ``threshold_val_youden``, so nothing downstream applies it;
-* no key (no operating point): one class in the test split.
+* no key (no operating point): one class in validation and in test.
 """
 from __future__ import annotations
 
@@ -64,14 +65,16 @@ class MetricsRecordError(ValueError):
 def choose_operating_point(val_y: np.ndarray, val_s: np.ndarray, test_y: np.ndarray,
                            test_s: np.ndarray) -> OperatingPoint:
     """The operating point of one finding (arrays of known labels only): chosen on validation when
-    it holds both classes, else on test (the documented, optimistic fallback); none when test holds
-    one class."""
-    if np.unique(test_y).size < 2:
-        return {}
+    it holds both classes (whatever the test split holds: its threshold is valid either way), else on
+    test when test holds both (the documented, optimistic fallback); none otherwise."""
     if np.unique(val_y).size == 2:
         thr = youden_threshold(val_y, val_s)
-        return {"threshold_val_youden": float(thr), "test_operating_point": operating_point(test_y, test_s, thr),
-                "operating_point_split": "validation"}
+        on_test = operating_point(test_y, test_s, thr) if test_y.size else {    # no known test label: nothing measured
+            "threshold": float(thr), **dict.fromkeys(("sensitivity", "specificity", "ppv", "npv", "f1")),
+            **dict.fromkeys(("tp", "fp", "tn", "fn"), 0)}
+        return {"threshold_val_youden": float(thr), "test_operating_point": on_test, "operating_point_split": "validation"}
+    if np.unique(test_y).size < 2:
+        return {}
     thr = youden_threshold(test_y, test_s)
     return {"test_operating_point": operating_point(test_y, test_s, thr), "operating_point_split": "test"}
 
