@@ -128,9 +128,17 @@ def test_localisation_scores_every_boxed_positive_of_the_test_split(evaluated):
         assert mine.loc[mine["no_saliency"].astype(bool), "hit"].isna().all()     # no saliency: neither hit nor miss
         if len(pointed):
             assert e["random_point"] == pytest.approx(pointed["random_point"].mean(), abs=1e-5)
-            assert e["p_above"] == pytest.approx(binomtest(e["hits"], e["n_pointed"], e["chance"],
-                                                           alternative="greater").pvalue)
-    # the gallery's heatmaps point where localisation.csv says: the centroid of the tied maxima
+            hit = pointed["hit"].astype(str) == "True"
+            centre = pointed["centre_hit"].astype(str) == "True"
+            b, c = int((hit & ~centre).sum()), int((~hit & centre).sum())
+            mcnemar = binomtest(b, b + c, 0.5, alternative="greater").pvalue if b + c else 1.0
+            pmf = np.array([1.0])               # Poisson-binomial by convolution, one map at a time
+            for share in pointed["random_point"]:
+                pmf = np.convolve(pmf, [1.0 - share, share])
+            assert e["discordant"] == [b, c] and e["p_above_centre"] == pytest.approx(mcnemar)
+            assert e["p_above_random"] == pytest.approx(pmf[e["hits"]:].sum(), rel=1e-4, abs=1e-12)
+            assert e["hits_range"][0] <= e["hits"] <= e["hits_range"][1]
+    # the gallery's heatmaps point where localisation.csv says: the tied maximum nearest their centroid
     with np.load(evaluated / "evaluate" / "saliency.npz", allow_pickle=False) as z:
         meta, heat = json.loads(str(z["meta"])), z["heatmaps"].astype(float)
     assert meta and {x["kind"] for x in meta} <= {"TP", "FP"}

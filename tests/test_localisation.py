@@ -94,10 +94,10 @@ def test_pointing_game_iobb_and_baselines_by_hand():
         assert flat["no_saliency"] and flat["hit"] is None and flat["point"] == [None, None] and flat["iobb"] == 0.0
 
 
-def test_tied_maxima_point_at_their_centroid_whatever_the_scan_order():
+def test_tied_maxima_point_at_the_one_nearest_their_centroid_whatever_the_scan_order():
     """A hand-built map with tied maxima inside and outside a box: argmax would take the first in scan
-    order (row 1, inside); the rule takes the centroid of all tied pixels, the same for the map and its
-    transpose, and says how many tie and how many of them lie in the box."""
+    order (row 1, inside); the rule takes the tied pixel nearest the centroid of all of them, the same
+    for the map and its transpose, and says how many tie and how many of them lie in the box."""
     box = [(0.0, 0.0, 4.0, 4.0)]                          # pixel centres of columns and rows 0..3
     heat = np.zeros((10, 10), np.float32)
     heat[1, 1] = heat[1, 2] = 1.0                         # two tied maxima in the box ...
@@ -105,51 +105,124 @@ def test_tied_maxima_point_at_their_centroid_whatever_the_scan_order():
     heat[5, 5] = 1.0 - 1e-7                               # within TIE_RTOL of the maximum: ties too
     heat[0, 9] = 0.999                                    # a near maximum that does not tie
     got = L.score(heat, box)
-    cols, rows = [1, 2, 8, 8, 5], [1, 1, 7, 8, 5]
-    assert got["point"] == pytest.approx([np.mean(cols) + 0.5, np.mean(rows) + 0.5])   # (5.3, 4.9): outside
+    # centroid (x 4.8, y 4.4): squared distances 26, 19.4, 17, 23.2 and 0.4 -> pixel (5, 5), outside the box
+    assert got["point"] == [5.5, 5.5]
     assert (got["n_tied"], got["n_tied_inside"], got["hit"]) == (5, 2, False)
     assert np.unravel_index(np.argmax(heat), heat.shape) == (1, 1)       # argmax alone would have called it a hit
     t = L.score(heat.T.copy(), [(0.0, 0.0, 4.0, 4.0)])
-    assert t["point"] == pytest.approx(got["point"][::-1]) and t["hit"] is False
-    heat[7, 8] = heat[8, 8] = heat[5, 5] = 0.5            # only the two in the box remain: their centroid, a hit
+    assert t["point"] == [5.5, 5.5] and t["hit"] is False
+    heat[7, 8] = heat[8, 8] = heat[5, 5] = 0.5            # only the two in the box remain: equally near, row-major
     got = L.score(heat, box)
-    assert got["point"] == pytest.approx([2.0, 1.5]) and got["hit"] and got["n_tied_inside"] == got["n_tied"] == 2
+    assert got["point"] == [1.5, 1.5] and got["hit"] and got["n_tied_inside"] == got["n_tied"] == 2
 
 
-def _rows(hits: int, misses: int, flat: int, *, random_point: float, centres: int) -> list[dict]:
+def test_a_hit_needs_a_maximum_in_the_box_and_the_hits_lie_in_their_range():
+    """The issue's case: two tied maxima in opposite corners, a box in the middle. Their centroid lies
+    in the box, no maximum does: a miss (it was a hit with n_tied_inside 0, beside hits_range [0, 0])."""
+    heat = np.zeros((10, 10))
+    heat[0, 0] = heat[9, 9] = 1.0
+    got = L.score(heat, [(3.0, 3.0, 7.0, 7.0)])
+    assert (got["hit"], got["n_tied"], got["n_tied_inside"], got["point"]) == (False, 2, 0, [0.5, 0.5])
+    summary = L.summarise([{**got, "no_saliency": False}])
+    assert summary["hits"] == 0 and summary["hits_range"] == [0, 0]
+    # maps of few levels (many ties) and boxes at random: every map's hit lies between "all tied maxima
+    # inside" and "one inside", so the finding's count lies in its range
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(300):
+        m = rng.integers(0, 3, (12, 12)).astype(float)
+        x0, x1 = np.sort(rng.uniform(0, 12, 2))
+        y0, y1 = np.sort(rng.uniform(0, 12, 2))
+        boxes = [(x0, y0, x1, y1), (x1, y1, 12.0, 12.0)]
+        r = L.score(m, boxes)
+        if r["no_saliency"]:
+            continue
+        assert (r["n_tied_inside"] == r["n_tied"]) <= r["hit"] <= (r["n_tied_inside"] > 0)
+        rows.append(r)
+    summary = L.summarise(rows)
+    assert summary["hits_range"][0] <= summary["hits"] <= summary["hits_range"][1] and summary["n_tied"] > 200
+
+
+def _rows(hits: int, misses: int, flat: int, *, random_point: float | list[float], centres: int) -> list[dict]:
     n = hits + misses
+    share = random_point if isinstance(random_point, list) else [random_point] * n
     rows = [{"hit": k < hits, "no_saliency": False, "n_tied": 1, "n_tied_inside": int(k < hits), "iobb": 0.5,
-             "random_point": random_point, "centre_hit": k < centres} for k in range(n)]
+             "random_point": share[k], "centre_hit": k < centres} for k in range(n)]
     return rows + [{"hit": None, "no_saliency": True, "n_tied": 0, "n_tied_inside": 0, "iobb": 0.0,
-                    "random_point": random_point, "centre_hit": False} for _ in range(flat)]
+                    "random_point": 0.5, "centre_hit": False} for _ in range(flat)]
 
 
-def test_summary_counts_no_saliency_apart_and_tests_against_the_stronger_baseline():
+def _poisson_binomial_pmf(shares: list[float]) -> np.ndarray:
+    """P(k hits) of independent maps hit with their own probabilities: convolution, one map at a time."""
+    pmf = np.array([1.0])
+    for p in shares:
+        pmf = np.convolve(pmf, [1.0 - p, p])
+    return pmf
+
+
+def test_the_centre_is_a_paired_baseline_mcnemar_on_the_discordant_maps():
+    """The issue's Emphysema: 16 of 19 maps hit, the centre 12 of the same 19 (every map the centre
+    hits, the heatmap hits too). As a known probability: binomtest p = 0.042, "above chance"; paired,
+    the 4 maps only the heatmap hits against the 0 only the centre hits: exact McNemar p = 1/16."""
     from scipy.stats import binomtest
-    # the issue's Emphysema: 16 of 19 hits, the centre inside the box on 12 of the 19 (0.632), 3 flat maps
     got = L.summarise(_rows(16, 3, 3, random_point=0.2, centres=12))
     assert (got["n"], got["n_no_saliency"], got["n_pointed"], got["hits"]) == (22, 3, 19, 16)
     assert got["hit_rate"] == pytest.approx(16 / 19) and got["centre_point"] == pytest.approx(12 / 19)
-    assert got["baseline"] == "centre point" and got["chance"] == pytest.approx(0.632, abs=5e-4)
-    assert got["p_above"] == pytest.approx(binomtest(16, 19, 12 / 19, alternative="greater").pvalue)
-    assert round(got["p_above"], 3) == 0.042 and got["verdict"] == "above chance"
-    assert "16/19 hits vs the centre point's 0.632, one-sided p = 0.0424" in got["verdict_text"]
+    assert round(binomtest(16, 19, 12 / 19, alternative="greater").pvalue, 3) == 0.042      # the unpaired test
+    assert got["discordant"] == [4, 0]
+    assert got["p_above_centre"] == pytest.approx(binomtest(4, 4, 0.5, alternative="greater").pvalue) == 0.0625
+    assert got["p_above_random"] == pytest.approx(_poisson_binomial_pmf([0.2] * 19)[16:].sum())
+    assert got["p_above"] == got["p_above_centre"] and got["verdict"] == "not distinguishable"
+    assert "(4 hit by the map only, 0 by the centre only), McNemar p = 0.0625" in got["verdict_text"]
     z, p, n = 1.959963984540054, 16 / 19, 19               # Wilson by hand, over the 19 maps with saliency
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     assert got["ci"] == pytest.approx([centre - half, centre + half])
-    # the old rule (Wilson lower bound <= chance) called this "not above chance"
-    assert got["ci"][0] < got["chance"]
-    # few maps: even 5/5 against chance 0.6 gives p = 0.6 ** 5 = 0.078
+    # discordant both ways: the centre hits maps 0-2 (with the heatmap) and map 12 (which the heatmap misses)
+    rows = _rows(12, 8, 0, random_point=0.1, centres=3)
+    rows[12]["centre_hit"] = True
+    got = L.summarise(rows)
+    only_map = sum(r["hit"] and not r["centre_hit"] for r in rows)
+    only_centre = sum(r["centre_hit"] and not r["hit"] for r in rows)
+    assert (only_map, only_centre) == (9, 1) and got["discordant"] == [9, 1]
+    assert got["p_above_centre"] == pytest.approx(binomtest(9, 10, 0.5, alternative="greater").pvalue)   # 11/1024
+    assert got["p_above_centre"] < 0.025 and got["verdict"] == "above chance"
+
+
+def test_the_random_point_is_a_poisson_binomial_each_map_its_own_share():
+    """Each map's box covers its own share of the image: the exact test is the Poisson-binomial, not a
+    binomial at the mean share (checked by convolution; the binomial's p differs)."""
+    from scipy.stats import binomtest
+    shares = [0.02, 0.05, 0.05, 0.1, 0.1, 0.15, 0.3, 0.5, 0.6, 0.03, 0.04, 0.05]
+    got = L.summarise(_rows(6, 6, 0, random_point=shares, centres=0))
+    pmf = _poisson_binomial_pmf(shares)
+    assert got["p_above_random"] == pytest.approx(pmf[6:].sum(), rel=1e-9)
+    assert got["p_below"] == pytest.approx(pmf[:7].sum(), rel=1e-9)
+    at_mean = binomtest(6, 12, float(np.mean(shares)), alternative="greater").pvalue
+    assert abs(at_mean - got["p_above_random"]) > 0.2 * got["p_above_random"]
+    # the centre hits none of them: 6 discordant maps, McNemar p = 1/64; above both
+    assert got["p_above_centre"] == pytest.approx(0.5 ** 6) and got["verdict"] == "above chance"
+
+
+def test_one_two_sided_test_at_five_percent_and_the_other_verdicts():
+    """The verdict tests once, two-sided at 5%: 2.5% per direction. A one-sided p of 0.03 against both
+    baselines would have passed the two one-sided 5% tests; here it does not."""
+    shares = [0.3] * 20
+    pmf = _poisson_binomial_pmf(shares)
+    k = next(k for k in range(21) if pmf[k:].sum() < 0.05)          # 10 of 20: p = 0.048
+    got = L.summarise(_rows(k, 20 - k, 0, random_point=shares, centres=0))
+    assert got["p_above"] == pytest.approx(pmf[k:].sum()) and 0.025 < got["p_above"] < 0.05
+    assert got["verdict"] == "not distinguishable"
+    assert got["alpha"] == 0.05
+    # few maps: even 5/5 against a 0.6 share gives 0.6 ** 5 = 0.078 >= 0.025
     few = L.summarise(_rows(4, 1, 0, random_point=0.6, centres=0))
-    assert few["verdict"] == "too few to tell" and few["baseline"] == "random point"
-    assert "even 5/5 hits would not beat" in few["verdict_text"]
-    assert few["p_above"] == pytest.approx(binomtest(4, 5, 0.6, alternative="greater").pvalue)
-    undecided = L.summarise(_rows(5, 15, 0, random_point=0.3, centres=0))
-    assert undecided["verdict"] == "not distinguishable" and "not distinguishable from chance at n = 20" in undecided["verdict_text"]
+    assert few["verdict"] == "too few to tell" and "even 5/5 hits would not beat" in few["verdict_text"]
+    assert few["p_above_random"] == pytest.approx(_poisson_binomial_pmf([0.6] * 5)[4:].sum())
+    # the centre hits 4 of 5: all 5 hit would leave 1 discordant map, p >= 1/2
+    assert L.summarise(_rows(5, 0, 0, random_point=0.01, centres=4))["verdict"] == "too few to tell"
     below = L.summarise(_rows(1, 29, 0, random_point=0.3, centres=3), auroc_ci=[0.6, 0.7])
     assert below["verdict"] == "below chance" and below["elsewhere"]
-    assert below["p_below"] == pytest.approx(binomtest(1, 30, 0.3, alternative="less").pvalue)
+    assert below["p_below"] == pytest.approx(_poisson_binomial_pmf([0.3] * 30)[:2].sum())
     assert not L.summarise(_rows(1, 29, 0, random_point=0.3, centres=3), auroc_ci=[0.45, 0.7])["elsewhere"]
     none = L.summarise(_rows(0, 0, 4, random_point=0.3, centres=0))
     assert none["verdict"] == "no saliency" and none["hit_rate"] is None and none["n_no_saliency"] == 4

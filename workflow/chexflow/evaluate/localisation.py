@@ -10,14 +10,26 @@ step is a crop or a uniform scale of the whole image, so a box maps by one offse
 Scores (Zhang et al. 2016; Wang et al. 2017, as CheXNet reports them):
   pointing game   a hit when the heatmap's maximum lies in a box of that finding on that image. Ties
                   are common (a map upsampled from 8 x 8 repeats its border values exactly): the point
-                  is the centroid of every pixel within TIE_RTOL of the maximum, whatever the scan order.
-                  A flat map (constant, e.g. all zero: nothing speaks for the output) points nowhere:
-                  "no saliency", neither a hit nor a miss, counted apart;
+                  is the tied maximum (every pixel within TIE_RTOL of the maximum ties) nearest the
+                  centroid of them all, the first in row-major order among equally near ones, whatever
+                  the scan order. The point is always a maximum, so a hit always has one in a box and
+                  the hits lie within the range any tie-breaking could give. A flat map (constant,
+                  e.g. all zero: nothing speaks for the output) points nowhere: "no saliency",
+                  neither a hit nor a miss, counted apart;
   IoBB            area(reference box & detected box) / area(detected box), the detected box bounding
                   the largest connected region of the heatmap at or above HEATMAP_LEVEL x its maximum.
-Chance baselines: a random point (hit rate = the share of the image the boxes cover) and the image
-centre. The verdict per finding is a one-sided exact binomial test (scipy's ``binomtest``) of the hits
-among the maps with saliency against the stronger of the two baselines. numpy and scipy only, no torch.
+Chance baselines, on the same maps: a random point (on a map, it hits with the share of the image its
+boxes cover) and the image centre (a pointing rule of its own). The verdict per finding is one test at
+level alpha, two-sided, split alpha / 2 per direction (:func:`pointing_verdict`):
+  above chance    the maps beat both baselines: the exact Poisson-binomial test against the random
+                  point (each map its own probability, scipy's ``poisson_binom``) and the exact
+                  McNemar test against the centre (the maps where exactly one of the two rules hits:
+                  scipy's ``binomtest`` at 1/2), each one-sided below alpha / 2. Both must hold (an
+                  intersection-union test), so the pair keeps level alpha / 2;
+  below chance    the maps hit less often than a random point (the Poisson-binomial's lower tail
+                  below alpha / 2): they avoid the finding. Hitting less often than the centre is no
+                  such sign (the centre rule knows where findings tend to lie) and is not tested.
+numpy and scipy only, no torch.
 """
 from __future__ import annotations
 
@@ -100,13 +112,16 @@ def iobb(reference: tuple[float, float, float, float], detected: tuple[float, fl
 
 
 def pointing(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, float]]) -> dict:
-    """Where a non-flat ``heatmap`` points: the centroid ``(x, y)`` of its tied maxima (pixel i spans
-    [i, i + 1)), how many pixels tie, how many of them lie in ``boxes`` (by their centres), and the hit."""
+    """Where a non-flat ``heatmap`` points: the tied maximum nearest the centroid of all tied maxima
+    (``(x, y)`` of its centre; pixel i spans [i, i + 1)), how many pixels tie, how many of them lie in
+    ``boxes`` (by their centres), and the hit (the point's pixel in a box)."""
     top = float(heatmap.max())
-    rows, cols = np.nonzero(heatmap >= top - TIE_RTOL * abs(top))
-    x, y = float(cols.mean()) + 0.5, float(rows.mean()) + 0.5
-    inside = int(box_mask(boxes, heatmap.shape[0])[rows, cols].sum())
-    return {"point": [x, y], "n_tied": int(rows.size), "n_tied_inside": inside, "hit": _inside(x, y, boxes)}
+    rows, cols = np.nonzero(heatmap >= top - TIE_RTOL * abs(top))        # row-major order
+    far = (rows - rows.mean()) ** 2 + (cols - cols.mean()) ** 2
+    k = int(np.argmin(far))                          # the first of the nearest, in row-major order
+    inside = box_mask(boxes, heatmap.shape[0])
+    return {"point": [float(cols[k]) + 0.5, float(rows[k]) + 0.5], "n_tied": int(rows.size),
+            "n_tied_inside": int(inside[rows, cols].sum()), "hit": bool(inside[rows[k], cols[k]])}
 
 
 def score(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, float]]) -> dict:
@@ -128,9 +143,9 @@ def score(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, float]
 def summarise(rows: Sequence[dict], *, alpha: float = 0.05, auroc_ci: Sequence[float] | None = None) -> dict:
     """One finding's scores. Maps without saliency are counted apart (``n_no_saliency``); over the
     others (``n_pointed``): hits, the hit rate with its Wilson CI, the chance baselines, the range of
-    hits any tie-breaking could give, mean IoBB, and the verdict (``binomial_verdict``). ``elsewhere``:
+    hits any tie-breaking could give, mean IoBB, and the verdict (:func:`pointing_verdict`). ``elsewhere``:
     the test AUROC's CI (``auroc_ci``) lies above 0.5 while the maps point at the finding significantly
-    less often than chance: the AUROC rests on other cues."""
+    less often than a random point: the AUROC rests on other cues."""
     pointed = [r for r in rows if not r["no_saliency"]]
     k = len(pointed)
     hits = int(sum(bool(r["hit"]) for r in pointed))
@@ -143,36 +158,57 @@ def summarise(rows: Sequence[dict], *, alpha: float = 0.05, auroc_ci: Sequence[f
            "hits_range": [sum(r["n_tied_inside"] == r["n_tied"] for r in pointed),
                           sum(r["n_tied_inside"] > 0 for r in pointed)],
            "mean_iobb": float(np.mean([r["iobb"] for r in pointed])) if k else None,
-           **binomial_verdict(hits, k, random_point, centre, alpha=alpha)}
+           **pointing_verdict([bool(r["hit"]) for r in pointed], [bool(r["centre_hit"]) for r in pointed],
+                              [float(r["random_point"]) for r in pointed], alpha=alpha)}
     out["elsewhere"] = bool(out["verdict"] == "below chance" and auroc_ci is not None and auroc_ci[0] > 0.5)
     return out
 
 
-def binomial_verdict(hits: int, n: int, random_point: float | None, centre: float | None, *,
+def pointing_verdict(hit: Sequence[bool], centre_hit: Sequence[bool], share: Sequence[float], *,
                      alpha: float = 0.05) -> dict:
-    """The verdict on ``hits`` of ``n`` pointed maps: one-sided exact binomial tests (scipy) against the
-    stronger baseline ``chance`` = max(random point, centre point), taken as a fixed probability. "above
-    chance" when P(X >= hits) < alpha, "below chance" when P(X <= hits) < alpha; else "too few to tell"
-    when even n of n hits could not reach alpha (chance ** n >= alpha), else "not distinguishable from
-    chance". ``verdict_text`` says it with the numbers."""
-    from scipy.stats import binomtest
+    """The verdict on the maps with saliency of one finding: ``hit[i]`` (the heatmap's point),
+    ``centre_hit[i]`` (the image centre's) and ``share[i]`` (the share of map i its boxes cover: a random
+    point's chance) per map. One test at level ``alpha``, two-sided, ``alpha / 2`` per direction:
+
+    - ``p_above_random``: exact Poisson-binomial P(hits >= observed) of independent maps hit with
+      probability ``share[i]`` (scipy's ``poisson_binom``); ``p_below``: P(hits <= observed);
+    - ``p_above_centre``: the exact one-sided McNemar test against the centre rule on the same maps:
+      of the maps where exactly one of the two hits (``discordant``: heatmap only, centre only), the
+      heatmap's count against Binomial(n discordant, 1/2) (scipy's ``binomtest``); 1 without one;
+    - ``p_above`` = max(p_above_random, p_above_centre): above chance means above both (an
+      intersection-union test: level alpha / 2 without correction).
+
+    "above chance" when p_above < alpha / 2; "below chance" when p_below < alpha / 2; else "too few to
+    tell" when even all maps hit could not reach alpha / 2, else "not distinguishable". ``verdict_text``
+    says it with the numbers."""
+    from scipy.stats import binomtest, poisson_binom
+    hit, centre_hit = np.asarray(hit, bool), np.asarray(centre_hit, bool)
+    share = np.asarray(share, float)
+    n, hits, side = int(hit.size), int(hit.sum()), alpha / 2.0
     if n == 0:
-        return {"chance": None, "baseline": None, "p_above": None, "p_below": None, "verdict": "no saliency",
+        return {"p_above": None, "p_below": None, "p_above_random": None, "p_above_centre": None,
+                "discordant": None, "alpha": alpha, "verdict": "no saliency",
                 "verdict_text": "no map with saliency: nothing to test"}
-    baseline = "centre point" if centre >= random_point else "random point"
-    chance = max(random_point, centre)
-    p_above = float(binomtest(hits, n, chance, alternative="greater").pvalue)
-    p_below = float(binomtest(hits, n, chance, alternative="less").pvalue)
-    against = f"{hits}/{n} hits vs the {baseline}'s {chance:.3f}"
-    if p_above < alpha:
-        verdict, text = "above chance", f"points at the finding more often than chance ({against}, one-sided p = {p_above:.3g})"
-    elif p_below < alpha:
-        verdict, text = "below chance", f"points at the finding less often than chance ({against}, one-sided p = {p_below:.3g})"
-    elif chance ** n >= alpha:
-        verdict, text = "too few to tell", (f"too few maps to tell: even {n}/{n} hits would not beat the {baseline}'s "
-                                            f"{chance:.3f} at p < {alpha:g}")
+    chance = poisson_binom(share)
+    p_random, p_below = float(chance.sf(hits - 1)), float(chance.cdf(hits))
+    only_map, only_centre = int((hit & ~centre_hit).sum()), int((~hit & centre_hit).sum())
+    p_centre = (float(binomtest(only_map, only_map + only_centre, 0.5, alternative="greater").pvalue)
+                if only_map + only_centre else 1.0)
+    p_above = max(p_random, p_centre)
+    centre_hits = int(centre_hit.sum())
+    versus = (f"{hits}/{n} hits; a random point: {share.sum():.1f} expected, Poisson-binomial p = {p_random:.3g}; "
+              f"the centre: {centre_hits}/{n} on the same maps ({only_map} hit by the map only, {only_centre} by "
+              f"the centre only), McNemar p = {p_centre:.3g}")
+    best = max(float(np.prod(share)), 0.5 ** (n - centre_hits) if n > centre_hits else 1.0)   # all n maps hit
+    if p_above < side:
+        verdict, text = "above chance", f"points at the finding more often than chance ({versus}; each < {side:g})"
+    elif p_below < side:
+        verdict, text = "below chance", (f"points at the finding less often than a random point ({hits}/{n} hits, "
+                                         f"{share.sum():.1f} expected; Poisson-binomial p = {p_below:.3g} < {side:g})")
+    elif best >= side:
+        verdict, text = "too few to tell", (f"too few maps to tell: even {n}/{n} hits would not beat both the random "
+                                            f"point and the centre at p < {side:g} (smallest p {best:.3g})")
     else:
-        verdict, text = "not distinguishable", (f"not distinguishable from chance at n = {n} ({against}, one-sided "
-                                                f"p = {p_above:.3g})")
-    return {"chance": chance, "baseline": baseline, "p_above": p_above, "p_below": p_below, "verdict": verdict,
-            "verdict_text": text}
+        verdict, text = "not distinguishable", f"not distinguishable from chance at n = {n} ({versus})"
+    return {"p_above": p_above, "p_below": p_below, "p_above_random": p_random, "p_above_centre": p_centre,
+            "discordant": [only_map, only_centre], "alpha": alpha, "verdict": verdict, "verdict_text": text}

@@ -203,7 +203,7 @@ def saliency_row(images: Sequence[np.ndarray], heatmaps: Sequence[np.ndarray], m
                  *, tile: int = 160) -> str:
     """One finding's gallery: each input (grey, as the model saw it, min-max scaled) with its Grad-CAM
     overlaid (jet, 40%), the reference boxes (green) and where the map points (the pointing game's
-    point: the centroid of its tied maxima, a white cross), captioned with TP/FP and the score. Drawn
+    point: the tied maximum nearest their centroid, a white cross), captioned with TP/FP and the score. Drawn
     with PIL (a matplotlib figure per finding cost 0.35 s each)."""
     from matplotlib import colormaps
     from PIL import Image, ImageDraw
