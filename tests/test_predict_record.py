@@ -1,6 +1,7 @@
-"""The ``predict`` record of a model file, checked by the one model-file validator: a well-formed
-record passes and survives a save and a weights-only load; each malformed one is refused naming its
-key. (The record evaluation writes, and predicting from it alone: tests/test_predict.py.)"""
+"""The ``predict`` record of a model file, checked where it is written (chexflow.evaluate.predict_record;
+training checks the fields every model file has and knows nothing of it): a well-formed record passes
+and survives a save and a weights-only load; each malformed one is refused naming its key. (The record
+evaluation writes, and predicting from it alone: tests/test_predict.py.)"""
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,8 @@ import torch
 
 from chexflow.data import nih
 from chexflow.evaluate import model_file
+from chexflow.evaluate.predict_record import predict_problems, predict_record, refuse_if_malformed
 from chexflow.train import checkpoint as ckpt
-from chexflow.train.predict_record import predict_problems, predict_record
 
 LABELS = list(nih.LABELS)
 
@@ -37,7 +38,10 @@ def test_a_well_formed_record_passes_and_survives_a_weights_only_load(tmp_path):
     assert record["thresholds"][LABELS[3]] is None and record["thresholds"][LABELS[2]] == pytest.approx(0.2)
     assert predict_problems(record, LABELS) == [] and ckpt.model_problems(_model(record)) == []
     ckpt.save_atomic(_model(record), tmp_path / "model.pt")
-    assert ckpt.load_model_file(tmp_path / "model.pt")["predict"] == record
+    info = ckpt.load_model_file(tmp_path / "model.pt")
+    assert info["predict"] == record
+    refuse_if_malformed(info, tmp_path / "model.pt")
+    refuse_if_malformed(_model(None), "fine-tuning's model.pt")          # no record: nothing to refuse
 
 
 CASES = [
@@ -62,11 +66,12 @@ CASES = [
 def test_a_malformed_record_is_refused_naming_its_key(change, message, tmp_path):
     record = copy.deepcopy(_record())
     change(record)
-    problems = ckpt.model_problems(_model(record))
+    problems = predict_problems(record, LABELS)
     assert any(p.startswith(message) for p in problems), problems
     torch.save(_model(record), tmp_path / "model.pt")
-    with pytest.raises(ckpt.ModelFileError, match="refused: .*predict"):
-        ckpt.load_model_file(tmp_path / "model.pt")
+    info = ckpt.load_model_file(tmp_path / "model.pt")        # training's check: the fields every model file has
+    with pytest.raises(ckpt.ModelFileError, match=f"{tmp_path / 'model.pt'}: refused: .*predict"):
+        refuse_if_malformed(info, tmp_path / "model.pt")
 
 
 def test_evaluation_refuses_a_manifest_that_cannot_make_the_record(tmp_path):

@@ -1,6 +1,6 @@
 """The model file that travels alone: evaluation writes ``model.pt`` beside its metrics, the weights
 it evaluated and their fields as they came, plus the ``predict`` record
-(:mod:`chexflow.train.predict_record`): the stored image size, the normalisation, the thresholds
+(:mod:`.predict_record`): the stored image size, the normalisation, the thresholds
 chosen on validation and the validation positives they rest on, the training data's title and
 whether it was synthetic. ``chexflow predict --model model.pt`` needs nothing else.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from chexflow.data import loader
+from chexflow.evaluate.predict_record import predict_problems, predict_record
 from chexflow.train.checkpoint import model_problems, save_atomic
-from chexflow.train.predict_record import predict_record
 
 NAME = "model.pt"
 
@@ -39,7 +39,7 @@ def record_of(result: dict, manifest: Path, labels: list[str]) -> dict:
 def write(path: Path, info: dict, result: dict, manifest: Path) -> dict:
     """Write the model file ``info`` (as loaded, checked) with its predict record to ``path``; returns it."""
     packaged = {**info, "predict": record_of(result, manifest, list(info["labels"]))}
-    problems = model_problems(packaged)
+    problems = model_problems(packaged) + predict_problems(packaged["predict"], list(info["labels"]))
     if problems:
         raise ValueError(f"{path}: not written: {'; '.join(problems)}")
     save_atomic(packaged, Path(path))

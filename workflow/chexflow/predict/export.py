@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from chexflow.data import loader
+from chexflow.evaluate.predict_record import THRESHOLD_RULE
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
 from chexflow.predict import EXPORT_FILES as FILES
 from chexflow.predict import EXPORT_SUMMARY
 from chexflow.predict.config import ExportConfig
 from chexflow.predict.model import Predictor, load_predictor
 from chexflow.settings import to_dict
-from chexflow.train.predict_record import THRESHOLD_RULE
 
 METADATA = "chexflow.json"
 CARD = "model_card.md"

@@ -2,7 +2,7 @@
 did to its images (:class:`Preprocess`), its labels, the thresholds chosen on validation, its run id.
 
 A model file with a ``predict`` record (evaluation's ``model.pt``, checked by
-``checkpoint.load_model``) makes a :class:`Predictor` alone: weights, architecture, labels, crop, run
+``checkpoint.load_model`` and ``predict_record.refuse_if_malformed``) makes a :class:`Predictor` alone: weights, architecture, labels, crop, run
 id, the dataset whose decoding the files go through (``registry.get(dataset).decode``, the shard
 stage's), the stored side, the normalisation, the validation thresholds, whether the training data
 was synthetic. Two files override parts of it (and stand in for a model file without the record, as
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from chexflow.data import loader, registry
+from chexflow.evaluate.predict_record import refuse_if_malformed
 from chexflow.fsutil import read_regular
 from chexflow.train.checkpoint import load_model
 from chexflow.train.models import ieee_fp32
@@ -98,6 +99,7 @@ def load_predictor(model_path: Path, manifest_path: Path | None = None, metrics_
     dataset, and thresholds, and are needed for a model file without one (``manifest_fallback``: the
     manifest to use then only)."""
     model, info = load_model(model_path, expect={"task": "multilabel"})   # checked: weights only, format, fields
+    refuse_if_malformed(info, model_path)                                  # and the predict record, if any
     labels, run_id, crop = tuple(info["labels"]), info["run_id"], info["crop"]
     record = info.get("predict")
     if record is None and manifest_path is None:

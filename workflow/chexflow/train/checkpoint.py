@@ -30,7 +30,6 @@ import torch
 
 from chexflow import __version__
 from chexflow.fsutil import NotRegularFile, atomic_path, check_regular, open_regular
-from chexflow.train.predict_record import predict_problems
 from chexflow.train.weights import weights_problem
 
 _NAME = re.compile(r"^step-(\d{9})(?:-([0-9A-Za-z]+))?\.pt$")
@@ -422,7 +421,8 @@ def model_record(*, state_dict: dict, run_id: str, stage: str, dataset: str, tas
 
 
 def model_problems(obj: Any) -> list[str]:
-    """Why ``obj`` is not a chexflow model file of this format ([] when it is); its ``predict`` record too."""
+    """Why ``obj`` is not a chexflow model file of this format ([] when it is). Evaluation's ``predict``
+    record, when the file has one, is its writer's to check (``chexflow.evaluate.predict_record``)."""
     if not isinstance(obj, dict):
         return [f"not a chexflow model file (holds a {type(obj).__name__})"]
     if "format" not in obj:
@@ -446,7 +446,7 @@ def model_problems(obj: Any) -> list[str]:
     if not obj["state_dict"] or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                         for k, v in obj["state_dict"].items()):
         problems.append("state_dict is not a mapping of names to tensors")
-    return problems + (predict_problems(obj["predict"], obj["labels"]) if "predict" in obj else [])
+    return problems
 
 
 def _difference(key: str, have: Any, want: Any) -> str | None:

@@ -1,15 +1,21 @@
 """The ``predict`` record of a model file: what applying the model to an image file needs beyond the
 weights and the fields every model file has (labels, crop, run id, dataset name). Evaluation adds it
-(``results/evaluate/model.pt``: the selected model's weights and this record), so that the file
-alone serves ``chexflow predict`` and ``chexflow export``; the fine-tuning's ``model.pt`` has none.
+(``results/evaluate/model.pt``: the selected model's weights and this record, :mod:`.model_file`), so
+that the file alone serves ``chexflow predict`` and ``chexflow export``; the fine-tuning's ``model.pt``
+has none.
 
-Checked by :func:`chexflow.train.checkpoint.model_problems` as part of the file, every problem
-naming its key (``predict.thresholds.Mass`` ...).
+It lives with its writer: training checks the fields every model file has
+(:func:`chexflow.train.checkpoint.model_problems`) and knows nothing of evaluation's record; a reader
+that uses the record checks it here (:func:`refuse_if_malformed`), every problem naming its key
+(``predict.thresholds.Mass`` ...).
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
+
+from chexflow.train.checkpoint import ModelFileError
 
 PREDICT_FORMAT = 1
 
@@ -68,6 +74,15 @@ def predict_problems(record: Any, labels: list[str]) -> list[str]:
         problems.append(f"predict.mean/std ({record['mean']}, {record['std']}) is not a normalisation")
     return problems + _per_label(record, "thresholds", labels, _threshold_problem) \
         + _per_label(record, "val_positives", labels, _positives_problem)
+
+
+def refuse_if_malformed(info: dict, source: Path | str) -> None:
+    """A model file's content (checked as every model file is) whose ``predict`` record, if it has one,
+    is not this format: :class:`ModelFileError` naming ``source`` and every problem."""
+    if "predict" in info:
+        problems = predict_problems(info["predict"], list(info["labels"]))
+        if problems:
+            raise ModelFileError(f"{source}: refused: {'; '.join(problems)}")
 
 
 def _per_label(record: dict, key: str, labels: list[str], check) -> list[str]:
