@@ -1,8 +1,9 @@
 """Starting weights from a torchvision-format file (``init: file``): the file's backbone loaded
-weights-only through the one fits-the-model check, its RGB stem folded into the grey stem, its head
-replaced, its bytes part of the run id. The files are built here in torchvision's exact key layout
-(``torchvision.models.<arch>(weights=None).state_dict()``), as torchvision's published ImageNet
-weights are laid out; no network."""
+weights-only through the one fits-the-model check, its RGB stem folded exactly from ImageNet's
+per-channel normalisation into the grey stem, its head replaced, its bytes part of the run id. The
+files are built here in torchvision's exact key layout (``torchvision.models.<arch>(weights=None)``,
+seeded, BatchNorm statistics drawn at random as trained ones would be), as torchvision's published
+ImageNet weights are laid out; no network."""
 from __future__ import annotations
 
 import hashlib
@@ -21,6 +22,7 @@ from chexflow.settings import from_dict
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import identity
 from chexflow.train.config import TrainConfig, check
+from chexflow.train import init_file as train_init
 from chexflow.train.init_file import InitFileError, load_init_file, torchvision_keys
 from chexflow.train.models import build_model
 from conftest import cli_env
@@ -33,7 +35,12 @@ def _torchvision_file(path: Path, arch: str, *, seed: int = 0, old_style: bool =
     ``old_style``: DenseNet keys as torchvision's published file has them (``norm.1`` for ``norm1``);
     ``drop_counts``: without ``num_batches_tracked`` (files older than BatchNorm's counter)."""
     torch.manual_seed(seed)
-    sd = torchvision.models.get_model(arch, weights=None).state_dict()
+    model = torchvision.models.get_model(arch, weights=None)
+    for m in model.modules():           # statistics as training leaves them, not the init's 0 and 1
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.normal_(0.0, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    sd = model.state_dict()
     saved = {}
     for k, v in sd.items():
         if drop_counts and k.endswith("num_batches_tracked"):
@@ -45,24 +52,56 @@ def _torchvision_file(path: Path, arch: str, *, seed: int = 0, old_style: bool =
     return sd
 
 
-def test_the_folded_stem_sees_a_grey_image_as_the_rgb_stem_sees_it_in_three_channels(tmp_path):
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)     # torchvision's presets
+
+
+def _fold_by_hand(weight: torch.Tensor, running_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact fold, written out: grey input g = (x - 0.5) / 0.25, channel c of the original
+    (x - m_c) / s_c = (0.25 / s_c) g + (0.5 - m_c) / s_c."""
+    w = weight.double()
+    grey = sum(w[:, c:c + 1] * 0.25 / IMAGENET_STD[c] for c in range(3))
+    offset = sum(w[:, c].sum(dim=(1, 2)) * (0.5 - IMAGENET_MEAN[c]) / IMAGENET_STD[c] for c in range(3))
+    return grey.float(), (running_mean.double() - offset).float()
+
+
+def test_a_grey_image_through_the_folded_model_is_the_imagenet_normalised_rgb_image_through_the_original(tmp_path):
+    """The issue's test: pixels x, chexflow's input (x - 0.5) / 0.25 through the folded model, against
+    (x, x, x) normalised with ImageNet's per-channel mean and std through the original, BatchNorm in
+    eval mode (freeze, evaluation): equal within 1e-5 wherever no window reached the stem's zero padding."""
+    assert train_init.published_normalisation("resnet18") == (IMAGENET_MEAN, IMAGENET_STD)
     sd = _torchvision_file(tmp_path / "r18.pth", "resnet18")
     rgb = torchvision.models.resnet18(weights=None)
     rgb.load_state_dict(sd)
     grey = build_model("resnet18", in_channels=1, num_outputs=14)
-    load_init_file(grey, tmp_path / "r18.pth")
-    # folded: the sum over the input-channel axis (computed here independently of chexflow)
-    assert torch.equal(grey.conv1.weight, sd["conv1.weight"].sum(dim=1, keepdim=True))
+    load_init_file(grey, tmp_path / "r18.pth", arch="resnet18")
+    weight, running_mean = _fold_by_hand(sd["conv1.weight"], sd["bn1.running_mean"])
+    torch.testing.assert_close(grey.conv1.weight, weight, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grey.bn1.running_mean, running_mean, rtol=1e-6, atol=1e-6)
+    rgb.eval(), grey.eval()
     torch.manual_seed(1)
-    x = torch.randn(2, 1, 40, 40)          # a normalised grey batch: every channel normalised alike
+    x = torch.rand(2, 1, 64, 64)                          # pixels / 255
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+
+    def stem_and_layer1(net, z):
+        stem = net.bn1(net.conv1(z))
+        return stem, net.layer1(net.maxpool(net.relu(stem)))
+
     with torch.no_grad():
-        ours, theirs = grey.conv1(x), rgb.conv1(x.repeat(1, 3, 1, 1))
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    # a mean instead of the sum would be a third of it
+        ours = stem_and_layer1(grey, (x - 0.5) / 0.25)
+        theirs = stem_and_layer1(rgb, (x.repeat(1, 3, 1, 1) - mean) / std)
+    # conv1 (7 x 7, stride 2, padding 3) on 64 px: output i reads input rows 2i-3..2i+3, inside for i in 2..30;
+    # the max pool (3, 2, 1) and layer1's four 3 x 3 convolutions widen that to 6..10 of layer1's 16
+    torch.testing.assert_close(ours[0][..., 2:31, 2:31], theirs[0][..., 2:31, 2:31], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[1][..., 6:11, 6:11], theirs[1][..., 6:11, 6:11], rtol=1e-5, atol=1e-5)
+    # where a window reaches into the padding the two differ: the original pads each channel at its own mean
+    assert (ours[0][..., 0, :] - theirs[0][..., 0, :]).abs().max() > 1e-2
+    # the old fold (kernels summed, as if the weights had seen chexflow's normalisation) is off inside too
     with torch.no_grad():
-        meaned = torch.nn.functional.conv2d(x, sd["conv1.weight"].mean(dim=1, keepdim=True), stride=2, padding=3)
-    torch.testing.assert_close(meaned * 3, theirs, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(meaned, theirs, atol=1e-3)
+        summed = torch.nn.functional.conv2d((x - 0.5) / 0.25, sd["conv1.weight"].sum(dim=1, keepdim=True),
+                                            stride=2, padding=3)
+        old = torch.nn.functional.batch_norm(summed, sd["bn1.running_mean"], sd["bn1.running_var"],
+                                             sd["bn1.weight"], sd["bn1.bias"])
+    assert (old - theirs[0])[..., 2:31, 2:31].abs().max() > 0.1
 
 
 def test_every_backbone_tensor_is_the_files_from_torchvisions_published_layout(tmp_path):
@@ -72,14 +111,17 @@ def test_every_backbone_tensor_is_the_files_from_torchvisions_published_layout(t
     assert any(".norm.1." in k for k in torch.load(path, weights_only=True))     # the old layout was written
     model = build_model("densenet121", in_channels=1, num_outputs=14)
     head_before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("classifier.")}
-    loaded, held = load_init_file(model, path)
+    loaded, held = load_init_file(model, path, arch="densenet121")
     own = model.state_dict()
     assert held == len(sd)          # the file's tensors, its missing batch counters filled in
     backbone = [k for k in sd if not k.startswith("classifier.")]
     assert sorted(loaded) == sorted(backbone)
+    weight, running_mean = _fold_by_hand(sd["features.conv0.weight"], sd["features.norm0.running_mean"])
     for k in backbone:
         if k == "features.conv0.weight":
-            assert torch.equal(own[k], sd[k].sum(dim=1, keepdim=True))
+            torch.testing.assert_close(own[k], weight, rtol=1e-6, atol=1e-7)
+        elif k == "features.norm0.running_mean":             # the stem's constant offset, folded in
+            torch.testing.assert_close(own[k], running_mean, rtol=1e-6, atol=1e-6)
         elif k.endswith("num_batches_tracked"):
             assert own[k].item() == 0
         else:
@@ -91,26 +133,36 @@ def test_every_backbone_tensor_is_the_files_from_torchvisions_published_layout(t
         "features.denseblock1.denselayer1.norm1.weight": sd["features.norm0.weight"]}
 
 
+def _load_r18(path: Path):
+    return load_init_file(build_model("resnet18", in_channels=1, num_outputs=3), path, arch="resnet18")
+
+
 def test_a_file_that_does_not_fit_is_refused_naming_it(tmp_path):
     r34 = tmp_path / "resnet34.pth"
     _torchvision_file(r34, "resnet34")
     with pytest.raises(InitFileError, match=re.escape(str(r34)) + r".*refused.*missing|" + re.escape(str(r34))
                        + r".*does not have"):
-        load_init_file(build_model("resnet18", in_channels=1, num_outputs=3), r34)
+        _load_r18(r34)
     sd = torchvision.models.resnet18(weights=None).state_dict()
     sd["layer1.0.conv1.weight"] = torch.zeros(64, 64, 1, 1)
     bad = tmp_path / "shape.pth"
     torch.save(sd, bad)
     with pytest.raises(InitFileError, match=re.escape(str(bad)) + r".*layer1\.0\.conv1\.weight: \(64, 64, 1, 1\)"):
-        load_init_file(build_model("resnet18", in_channels=1, num_outputs=3), bad)
+        _load_r18(bad)
+    grey = tmp_path / "grey.pth"                     # a stem that never saw ImageNet's three channels
+    torch.save({**torchvision.models.resnet18(weights=None).state_dict(), "conv1.weight": torch.zeros(64, 1, 7, 7)},
+               grey)
+    with pytest.raises(InitFileError, match=re.escape(str(grey)) + r": refused: its stem conv1.weight is "
+                       r"\(64, 1, 7, 7\), not the 3-channel \(RGB\) stem"):
+        _load_r18(grey)
     wrapped = tmp_path / "wrapped.pth"
     torch.save({"state_dict": sd, "epoch": 3}, wrapped)
     with pytest.raises(InitFileError, match=re.escape(str(wrapped)) + r": refused: not a torchvision-format"):
-        load_init_file(build_model("resnet18", in_channels=1, num_outputs=3), wrapped)
+        _load_r18(wrapped)
     with pytest.raises(InitFileError, match=re.escape(str(tmp_path / "nope.pth")) + ".*cannot be read"):
-        load_init_file(build_model("resnet18", in_channels=1, num_outputs=3), tmp_path / "nope.pth")
+        _load_r18(tmp_path / "nope.pth")
     with pytest.raises(InitFileError, match=re.escape(str(tmp_path)) + ": refused"):
-        load_init_file(build_model("resnet18", in_channels=1, num_outputs=3), tmp_path)    # a directory
+        _load_r18(tmp_path)    # a directory
 
 
 def _cfg(path: Path | None, **over) -> TrainConfig:
