@@ -1,15 +1,18 @@
-"""A result is a function of its data: a training run's id covers the manifest's content, so a run
-whose data changed starts afresh (saying so), never resumes the old run's checkpoints; checked
-through the real workflow on the demo (a release that failed for its data and was repaired, a grown
-release, another validation fraction), each ending with a model whose training patients are
-disjoint from the test patients, read from the files. The NIH pilot -> full release path is in
-test_nih_release.py."""
+"""A result is a function of its data: a training run's id covers the manifest's content that
+training reads (train and val), so a run whose data changed starts afresh (saying so), never resumes
+the old run's checkpoints; the test split is not part of it (test shards rebuilt alone keep the run),
+and evaluation proves from the shards that no test patient is a train or val patient and records the
+test split's own digest. Checked through the real workflow on the demo (a release that failed for
+its data and was repaired, a grown release, another validation fraction), each ending with a model
+whose training patients are disjoint from the test patients, read from the files. The NIH pilot ->
+full release path is in test_nih_release.py."""
 from __future__ import annotations
 
 import hashlib
 import io
 import json
 import re
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -19,6 +22,9 @@ import torch
 import yaml
 
 from chexflow.data.loader import ManifestError
+from chexflow.evaluate import leakage
+from chexflow.evaluate import run as evaluate
+from chexflow.evaluate.config import EvaluateConfig
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import identity
 from conftest import REPO, snakemake
@@ -28,8 +34,9 @@ TARGET = "results/evaluate/metrics.json"
 
 
 def test_data_identity_is_the_manifests_content_not_its_file(demo_manifest, tmp_path):
-    """The run id changes with what shapes training (a shard's bytes, a split's counts, the labels,
-    the image size), not with the manifest's path, layout, time or bookkeeping (coverage, rejects)."""
+    """The run id changes with what shapes training (a train or val shard's bytes, a split's counts, the
+    labels, the image size), not with the manifest's path, layout, time or bookkeeping (coverage,
+    rejects), nor with the test split, which training never reads."""
     cfg = cfg_of()
     base = identity.run_id(cfg, demo_manifest, None)
     m = json.loads(demo_manifest.read_text())
@@ -46,23 +53,61 @@ def test_data_identity_is_the_manifests_content_not_its_file(demo_manifest, tmp_
         return identity.run_id(cfg, path, None)
     first = m["splits"]["train"]["shards"][0]
     edits = {"shard": lambda o: o["splits"]["train"]["shards"][0].update(sha256="0" * 64),
+             "val shard": lambda o: o["splits"]["val"]["shards"][0].update(sha256="1" * 64),
              "order": lambda o: o["splits"]["train"]["shards"].reverse(),
              "count": lambda o: o["splits"]["val"].update(n_images=o["splits"]["val"]["n_images"] + 1),
              "labels": lambda o: o["labels"].pop(),
              "size": lambda o: o.update(image_size=o["image_size"] * 2)}
     ids = {name: changed(edit) for name, edit in edits.items()}
     assert base not in ids.values() and len(set(ids.values())) == len(ids)
+    test_only = {"test shard": lambda o: o["splits"]["test"]["shards"][0].update(sha256="2" * 64),
+                 "test count": lambda o: o["splits"]["test"].update(n_images=o["splits"]["test"]["n_images"] + 9),
+                 "no test": lambda o: o["splits"].pop("test")}
+    assert {name: changed(edit) for name, edit in test_only.items()} == dict.fromkeys(test_only, base)
     old = identity.data_summary(demo_manifest)
+    assert sorted(old["splits"]) == ["train", "val"]
     new = json.loads(json.dumps(old))
     new["splits"]["train"]["shards"] = [["f" * 64, first["count"]]] + new["splits"]["train"]["shards"][1:]
-    new["splits"]["test"]["n_images"] += 5
+    new["splits"]["val"]["n_images"] += 5
     assert identity.data_changes(old, new) == (
         f"train: shards: 1 new, 1 gone of {len(old['splits']['train']['shards'])}; "
-        f"test: images {old['splits']['test']['n_images']} -> {old['splits']['test']['n_images'] + 5}")
+        f"val: images {old['splits']['val']['n_images']} -> {old['splits']['val']['n_images'] + 5}")
+    # the test split's own digest: of its counts and shards, not of the rest of the manifest
+    test = identity.split_summary(demo_manifest, "test")
+    assert test["sha256"] == identity.split_summary(moved, "test")["sha256"]
+    changed(test_only["test count"])
+    assert test["sha256"] != identity.split_summary(tmp_path / "changed.json", "test")["sha256"]
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({k: v for k, v in m.items() if k != "labels"}))
     with pytest.raises(ManifestError, match=f"{broken}: not a dataset manifest of the shard stage .*'labels'"):
         identity.run_id(cfg, broken, None)
+
+
+def test_evaluation_proves_no_test_patient_is_a_train_or_val_patient_from_the_shards(demo_manifest, tmp_path):
+    """The record of the demo's test split (its digest, the patients read from the shards, against an
+    independent read with tarfile); a manifest whose test split lists a train shard is refused naming
+    the shared patients, before any model is loaded (here there is none)."""
+    rec = leakage.checked_test_split(demo_manifest)
+    m = json.loads(demo_manifest.read_text())
+    root = demo_manifest.parent
+
+    def patients(split: str) -> set[str]:
+        return set().union(*(_shard_patients(root / s["path"]) for s in m["splits"][split]["shards"]))
+    assert rec["sha256"] == identity.split_summary(demo_manifest, "test")["sha256"] and rec["shared_patients"] == 0
+    assert rec["n_patients"] == len(patients("test")) == m["splits"]["test"]["n_patients"]
+    assert rec["patients_of"] == {"train": len(patients("train")), "val": len(patients("val"))}
+    copy = tmp_path / "shards"
+    shutil.copytree(root, copy)
+    m["splits"]["test"]["shards"].append(m["splits"]["train"]["shards"][0])
+    (copy / "manifest.json").write_text(json.dumps(m))
+    shared = sorted(_shard_patients(root / m["splits"]["train"]["shards"][0]["path"]))
+    shown = ", ".join(shared[:leakage.SHOWN]) + (f" and {len(shared) - leakage.SHOWN} more"
+                                                 if len(shared) > leakage.SHOWN else "")
+    with pytest.raises(leakage.PatientLeakError, match=re.escape(
+            f"{copy / 'manifest.json'}: {len(shared)} test patient(s) are train patients too ({shown})")):
+        evaluate.run(EvaluateConfig(), model_path=tmp_path / "no-model.pt", manifest=copy / "manifest.json",
+                     out_dir=tmp_path / "evaluate")
+    assert isinstance(leakage.PatientLeakError("x"), ManifestError)       # a refusal of input data (exit 7)
 
 
 def test_a_malformed_identity_in_another_runs_checkpoint_is_not_trusted(demo_manifest, tmp_path):
@@ -123,6 +168,8 @@ def check_disjoint(work: Path, dataset: str = "nih_demo") -> set[str]:
     assert trained and test and not trained & test
     metrics = json.loads((work / TARGET).read_text())
     assert metrics["model_run_id"] == record["run_id"] and metrics["model_run_id_checked"]
+    assert metrics["test_split"]["sha256"] == identity.split_summary(manifest, "test")["sha256"]
+    assert metrics["test_split"]["shared_patients"] == 0 and metrics["test_split"]["n_patients"] == len(test)
     return trained
 
 

@@ -3,7 +3,8 @@ precision-recall, calibration, operating points, AUROC and underdiagnosis by sub
 heatmaps scored against the release's boxes.
 
 The model arriving here was selected on validation by the fine-tuning stage; the test split is
-used once, here, and never for selection. Operating points are chosen on validation (Youden's J)
+used once, here, and never for selection. Its run id covers the train and val data; that no test
+patient is one of theirs is checked from the shards before anything is scored (``leakage``). Operating points are chosen on validation (Youden's J)
 and then applied to test; a threshold resting on few validation positives is flagged; a finding
 with one class in validation falls back to a test-chosen point, recorded as such (``record``).
 """
@@ -17,7 +18,7 @@ import pandas as pd
 import torch
 
 from chexflow.data import loader
-from chexflow.evaluate import localisation, model_file, saliency, subgroups, underdiagnosis
+from chexflow.evaluate import leakage, localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
                                        precision_recall)
@@ -75,6 +76,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
         expect["run_id"] = ids[0] if len(ids) == 1 else frozenset(ids)
     else:
         print(f"{model_path}: run id not checked (no training settings given)", flush=True)
+    test_split = leakage.checked_test_split(Path(manifest))     # no test patient trained or selected on
     model, info = load_model(model_path, expect=expect)
     labels = list(info["labels"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,7 +93,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     result = {"labels": {}, "mean_auroc": mean_auroc(per_label), "mean_auroc_labels": defined,
               "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
               "n_patients": int(len(set(patients))), "model": str(model_path), "model_run_id": info["run_id"],
-              "model_run_id_checked": expect_run_ids is not None,
+              "model_run_id_checked": expect_run_ids is not None, "test_split": test_split,
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
               "model_arch": info.get("arch"), "model_init": (info.get("config") or {}).get("init"),
               "model_seed": (info.get("config") or {}).get("seed"),

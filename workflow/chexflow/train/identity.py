@@ -7,8 +7,12 @@ A run's id (:func:`run_id`) hashes three parts, each recorded in its checkpoints
   the staging directory, Horovod's fusion threshold and CPU staging): those may change between
   attempts without starting afresh;
 - ``data``: the dataset manifest's content that shapes training (:func:`data_summary`: dataset, task,
-  labels, stored image size and encoding, and per split its image, patient and label counts and its
-  shards' sha256 in order), canonical JSON; never the manifest's path or modification time;
+  labels, stored image size and encoding, and per split that training reads, train and val, its
+  image, patient and label counts and its shards' sha256 in order), canonical JSON; never the
+  manifest's path or modification time. The test split is not part of it: training never reads it,
+  so test shards rebuilt alone neither restart training nor make evaluation refuse the model as
+  stale; evaluation proves instead that no test patient is a train or val patient (from the shards)
+  and records the test split's own digest (:func:`split_summary`);
 - ``weights``: the sha256 of the starting weights' file (``init: pretrained``: the pretraining model;
   ``init: file``: ``init_file``, whose path is therefore not part of ``settings``), none from random init.
 
@@ -29,6 +33,8 @@ from chexflow.settings import to_dict
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.config import TrainConfig
 
+# the splits training reads: it fits on train and selects the epoch on val (the test split is evaluation's)
+TRAINING_SPLITS = ("train", "val")
 # settings that do not change what a run computes (see the module docstring)
 _NOT_IDENTITY = {"": ("checkpoint", "check_every_steps", "ddp", "max_steps", "init_file"), "data": ("stage_to",),
                  "horovod": ("fusion_threshold_mb", "stage_through_cpu")}
@@ -51,20 +57,40 @@ def settings_of(cfg: TrainConfig) -> dict:
 
 
 def data_summary(manifest: Path) -> dict:
-    """The part of a dataset manifest that shapes training, in canonical form (see the module docstring).
-    A manifest without these fields is a :class:`ManifestError` naming the file and the field."""
+    """The part of a dataset manifest that shapes training, in canonical form (see the module docstring):
+    the splits of TRAINING_SPLITS it has. A manifest without these fields is a :class:`ManifestError`
+    naming the file and the field."""
     manifest = Path(manifest)
     m = read_manifest(manifest)
     try:
-        splits = {name: {"n_images": int(s["n_images"]), "n_patients": int(s["n_patients"]),
-                         "label_counts": {str(k): int(v) for k, v in s["label_counts"].items()},
-                         "shards": [[str(sh["sha256"]), int(sh["count"])] for sh in s["shards"]]}
-                  for name, s in m["splits"].items()}
+        splits = {name: _split(s) for name, s in m["splits"].items() if name in TRAINING_SPLITS}
         return {"dataset": str(m["dataset"]), "task": str(m["task"]), "labels": [str(x) for x in m["labels"]],
                 "image_size": int(m["image_size"]), "encoding": str(m.get("encoding", "")), "splits": splits}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ManifestError(f"{manifest}: not a dataset manifest of the shard stage (its {exc} is missing or "
-                            "malformed); rebuild it with the shard stage") from exc
+        raise _not_a_manifest(manifest, exc) from exc
+
+
+def split_summary(manifest: Path, split: str) -> dict:
+    """One split of a dataset manifest in the canonical form of :func:`data_summary` (its counts and its
+    shards' sha256 in order), with its ``sha256``: the digest evaluation records of the test split."""
+    manifest = Path(manifest)
+    m = read_manifest(manifest)
+    try:
+        summary = {"dataset": str(m["dataset"]), "split": split, **_split(m["splits"][split])}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _not_a_manifest(manifest, exc) from exc
+    return {**summary, "sha256": _digest(summary)}
+
+
+def _split(s: dict) -> dict:
+    return {"n_images": int(s["n_images"]), "n_patients": int(s["n_patients"]),
+            "label_counts": {str(k): int(v) for k, v in s["label_counts"].items()},
+            "shards": [[str(sh["sha256"]), int(sh["count"])] for sh in s["shards"]]}
+
+
+def _not_a_manifest(manifest: Path, exc: Exception) -> ManifestError:
+    return ManifestError(f"{manifest}: not a dataset manifest of the shard stage (its {exc} is missing or "
+                         "malformed); rebuild it with the shard stage")
 
 
 @dataclass(frozen=True)
