@@ -210,6 +210,10 @@ BAD = [
     ({"evaluate.calibration_bins": 0}, r"evaluate\.calibration_bins: 0 is not in \[1, 100\]"),
     ({"evaluate.age_bands": [60, 18]}, r"evaluate\.age_bands: \[60, 18\] is not a non-empty ascending list of ages"),
     ({"evaluate.saliency.top_k": -1}, r"evaluate\.saliency\.top_k: -1 is not >= 0"),
+    # a Grad-CAM layer the fine-tuned network does not have: found now, not after evaluation's inference
+    ({"evaluate.saliency.layer": "fc"}, r"evaluate\.saliency\.layer: 'fc' is not a backbone stage of "
+                                        r"finetune\.model\.arch resnet18 \(stages: conv1, bn1, layer1, layer2, layer3, "
+                                        r"layer4\); auto picks"),
     ({"ablation.seeds": []}, r"ablation\.seeds: \[\] lists no seed"),
     ({"evaluate.crop": 32}, r"evaluate\.crop: unknown key; known: age_bands, batch_size, bootstrap_resamples, "
      r"calibration_bins, min_subgroup_count, min_val_positives, saliency, seed"),

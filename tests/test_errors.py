@@ -140,6 +140,51 @@ def test_a_worker_re_raised_error_shows_its_own_message_not_the_workers_tracebac
     assert errors.message(ShardReadError(text)) == "data/shards/a.tar: truncated shard\n"
 
 
+# --------------------------------------------------------------------------- the last tracebacks
+FINETUNE_FROM_PRETRAINING = json.dumps({"stage": "finetune", "dataset": "nih_demo", "backend": "single",
+                                        "init": "pretrained"})
+LAST_TRACEBACKS = [
+    (["launch", "-n", "0", "--backend", "single", "true"], {}, "chexflow launch: -n: 0 ranks; launch needs at least 1"),
+    (["launch", "-n", "1", "true"], {"CHEXFLOW_BACKEND": "mpi"},
+     "chexflow launch: CHEXFLOW_BACKEND: 'mpi' is none of horovod | ddp | single"),
+    (["evaluate", "--model", "m.pt", "--manifest", "manifest.json", "--out-dir", "ev", "--train-config-json",
+      FINETUNE_FROM_PRETRAINING], {},
+     "chexflow evaluate: finetune.init is pretrained: the pretraining model is needed to compute the expected run id "
+     "of the model (--pretrained)"),
+    (["evaluate", "--model", "m.pt", "--manifest", "manifest.json", "--out-dir", "ev", "--pretrained", "pre.pt",
+      "--train-config-json", FINETUNE_FROM_PRETRAINING, "--trials-json", "[{\"optim.lr\": 0.1"], {},
+     "chexflow evaluate: --trials-json is not valid JSON: Expecting ',' delimiter: line 1 column 18 (char 17)"),
+]
+
+
+@pytest.mark.parametrize("argv, env, line", LAST_TRACEBACKS, ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_what_ended_in_a_traceback_is_a_one_line_refusal(argv, env, line, monkeypatch, capsys):
+    """In-process, the real commands: each ends with its line and exit status 2 before anything runs."""
+    monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as ended:
+        cli.main(argv)
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == line + todo("ConfigError") + "\n"
+
+
+def test_training_from_pretraining_without_the_file_is_a_refusal(demo_manifest, tmp_path):
+    """`chexflow train` with init: pretrained and no --pretrained: the trainer refuses as a setting (exit 2,
+    one line), where it raised a plain ValueError."""
+    from chexflow.settings import from_dict
+    from chexflow.train.backends import Backend
+    from chexflow.train.config import TrainConfig
+    from chexflow.train.trainer import Trainer, TrainPaths
+    cfg = from_dict(TrainConfig, json.loads(FINETUNE_FROM_PRETRAINING))
+    with pytest.raises(ConfigError) as refused:
+        Trainer(cfg, TrainPaths(manifest=demo_manifest, out_dir=tmp_path, ckpt_dir=tmp_path / "ck"), Backend())
+    assert errors.refusal_of(refused.value).code == 2
+    assert errors.refusal_lines("train", refused.value, errors.refusal_of(refused.value)) == [
+        "chexflow train: finetune.init is pretrained: the run's identity needs the pretraining model file "
+        "(--pretrained)" + todo("ConfigError")]
+
+
 # --------------------------------------------------------------------------- real refusals, real processes
 
 def chexflow_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -100,9 +100,11 @@ def cmd_train(args) -> None:
 
 def cmd_launch(args) -> None:
     import os
-    from chexflow.train.launch import launch
+    from chexflow.train.launch import BACKENDS, launch
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     backend = args.backend or os.environ.get("CHEXFLOW_BACKEND", "horovod")
+    if backend not in BACKENDS:
+        raise ConfigError(f"CHEXFLOW_BACKEND: {backend!r} is none of {' | '.join(BACKENDS)}")
     sys.exit(launch(backend, args.n, cmd))
 
 
@@ -123,7 +125,10 @@ def _expected_run_ids(args) -> set[str] | None:
     if args.trials_json is None:
         return expected_run_ids([section], args.manifest, args.pretrained)
     from chexflow.studies.sweep import apply_params
-    trials = json.loads(args.trials_json)
+    try:
+        trials = json.loads(args.trials_json)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--trials-json is not valid JSON: {exc}") from None
     if not isinstance(trials, list) or not all(isinstance(t, dict) for t in trials):
         raise ConfigError(f"--trials-json: expected a list of mappings (the trials' overrides), got {trials!r}")
     base = json.loads(args.train_config_json)

@@ -353,9 +353,27 @@ def _study_relations(s: Study, p: _Problems) -> None:
     if s.sweep.enabled and p.ok("sweep") and "finetune" in s.train and _stage_ok("finetune", p):
         for message in _sweep_trials(s):
             p.add("sweep", message)
+    _saliency_layer(s, p)
     if s.predict.enabled and not s.predict.modalities:
         p.add("predict.modalities", "predict.modalities: [] would refuse every DICOM file; name the accepted "
                                     "modalities (e.g. [CR, DX, DR])")
+
+
+def _saliency_layer(s: Study, p: _Problems) -> None:
+    """A Grad-CAM layer named (not auto) is a backbone stage of the fine-tuned architecture: found now,
+    not after all of evaluation's inference."""
+    layer, fine = s.evaluate.saliency.layer, s.train.get("finetune")
+    if layer == "auto" or fine is None or not p.ok("evaluate.saliency.layer", "finetune.model.arch"):
+        return
+    from chexflow.train.models import ModelError
+    try:
+        stages = train_config.stage_names(fine.model.arch)
+    except ModelError:          # reported by finetune.model.arch's own check
+        return
+    if layer not in stages:
+        p.add("evaluate.saliency.layer", f"evaluate.saliency.layer: {layer!r} is not a backbone stage of "
+                                         f"finetune.model.arch {fine.model.arch} (stages: {', '.join(stages)}); "
+                                         "auto picks the deepest of at least evaluate.saliency.min_side px")
 
 
 def _sweep_trials(s: Study) -> list[str]:

@@ -25,6 +25,7 @@ from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibra
 from chexflow.evaluate.published import CHEXNET
 from chexflow.evaluate.record import LabelRecord, choose_operating_point
 from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.settings import ConfigError
 from chexflow.train.checkpoint import load_model
 from chexflow.train.config import TrainConfig
 from chexflow.train.models import ieee_fp32
@@ -52,8 +53,8 @@ def expected_run_ids(train_cfgs: list[TrainConfig], manifest: Path, pretrained: 
     from chexflow.train.identity import run_id
     for c in train_cfgs:
         if c.init == "pretrained" and pretrained is None:
-            raise ValueError(f"{c.stage}.init is pretrained: the pretraining model is needed to compute the "
-                             "expected run id of the model (--pretrained)")
+            raise ConfigError(f"{c.stage}.init is pretrained: the pretraining model is needed to compute the "
+                              "expected run id of the model (--pretrained)")
     return {run_id(c, manifest, pretrained) for c in train_cfgs}
 
 
@@ -68,7 +69,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     images (localisation scores; heatmaps of the top true/false positives are drawn either way).
     ``heatmaps`` False: no Grad-CAM at all (the ablation's runs: the report shows the main model's)."""
     if boxes is not None and box_frame is None:
-        raise ValueError(f"{boxes}: the box list needs the side of the images its boxes refer to (box_frame)")
+        raise ConfigError(f"{boxes}: the box list needs the side of the images its boxes refer to (--box-frame)")
     out_dir = Path(out_dir)
     expect = {"task": "multilabel", "labels": list(loader.read_manifest(manifest)["labels"])}
     if expect_run_ids is not None:

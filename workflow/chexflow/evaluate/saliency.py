@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from chexflow.train.models import backbone_stages, ieee_fp32
+from chexflow.settings import ConfigError
+from chexflow.train.models import ModelError, backbone_stages, ieee_fp32
 
 
 def stage_sides(model: torch.nn.Module, *, crop: int, in_channels: int, device) -> list[tuple[str, int]]:
@@ -43,11 +44,11 @@ def choose_layer(model: torch.nn.Module, *, crop: int, in_channels: int, min_sid
     at least ``min_side`` px (the first stage if none is). Returns (name, module, output side)."""
     sides = stage_sides(model, crop=crop, in_channels=in_channels, device=device)
     if not sides:
-        raise ValueError("the model has no backbone stage with a spatial output for Grad-CAM")
+        raise ModelError("the model has no backbone stage with a spatial output for Grad-CAM")
     if layer != "auto":
         found = dict(sides)
         if layer not in found:
-            raise ValueError(f"evaluate.saliency.layer: {layer!r} is not a backbone stage of this model "
+            raise ConfigError(f"evaluate.saliency.layer: {layer!r} is not a backbone stage of this model "
                              f"(stages: {', '.join(n for n, _ in sides)})")
         name, side = layer, found[layer]
     else:

@@ -251,19 +251,23 @@ def init_file_problems(cfg: TrainConfig, key: str) -> list[str]:
     return []
 
 
-def check_stages_fit(arch: str, counts: Mapping[str, int]) -> list[str]:
-    """Backbone stage counts (``{dotted key: value}``: freeze, transfer_stages) within ``arch``'s stages.
-
-    Builds ``arch`` on the meta device (no memory, no weights), so it imports torchvision: the
-    workflow asks only when a count is set, and the DAG of a config without one stays torch-free."""
+def stage_names(arch: str) -> list[str]:
+    """The backbone stages of ``arch`` (``models.backbone_stages``), built on the meta device (no memory,
+    no weights). It imports torchvision: the workflow asks only when a setting names or counts stages,
+    and the DAG of a config without one stays torch-free. ``ModelError`` for an unknown ``arch``."""
     import torch
 
-    from chexflow.train.models import ModelError, backbone_stages, build_model
+    from chexflow.train.models import backbone_stages, build_model
+    with torch.device("meta"):
+        return [name for name, _ in backbone_stages(build_model(arch, in_channels=1, num_outputs=1))]
+
+
+def check_stages_fit(arch: str, counts: Mapping[str, int]) -> list[str]:
+    """Backbone stage counts (``{dotted key: value}``: freeze, transfer_stages) within ``arch``'s stages."""
+    from chexflow.train.models import ModelError
     try:
-        with torch.device("meta"):
-            stages = backbone_stages(build_model(arch, in_channels=1, num_outputs=1))
+        stages = stage_names(arch)
     except ModelError as exc:
         return [str(exc)]
-    names = ", ".join(s for s, _ in stages)
-    return [f"{key}: {value} is not in 0..{len(stages)}, the backbone stages of {arch} ({names})"
+    return [f"{key}: {value} is not in 0..{len(stages)}, the backbone stages of {arch} ({', '.join(stages)})"
             for key, value in counts.items() if not 0 <= value <= len(stages)]

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from chexflow.data.loader import ManifestError, read_manifest
 from chexflow.fsutil import sha256_file
-from chexflow.settings import to_dict
+from chexflow.settings import ConfigError, to_dict
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.config import TrainConfig
 
@@ -122,11 +122,12 @@ def starting_weights(cfg: TrainConfig, pretrained: Path | None) -> Path | None:
     """The file a run of ``cfg`` starts from: the pretraining model, ``init_file``, or none (random init)."""
     if cfg.init == "pretrained":
         if pretrained is None:
-            raise ValueError(f"{cfg.stage}.init is pretrained: the run's identity needs the pretraining model file")
+            raise ConfigError(f"{cfg.stage}.init is pretrained: the run's identity needs the pretraining model file "
+                              "(--pretrained)")
         return Path(pretrained)
     if cfg.init == "file":
         if cfg.init_file is None:
-            raise ValueError(f"{cfg.stage}.init is file: {cfg.stage}.init_file is missing")
+            raise ConfigError(f"{cfg.stage}.init_file: missing: {cfg.stage}.init is file")
         return Path(cfg.init_file)
     return None
 

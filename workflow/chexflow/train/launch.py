@@ -19,13 +19,18 @@ import sys
 import tempfile
 
 from chexflow import errors
+from chexflow.settings import ConfigError
+
+BACKENDS = ("horovod", "ddp", "single")
 
 
 def local_command(backend: str, n: int, cmd: list[str]) -> list[str]:
     if not cmd:
-        raise ValueError("chexflow launch: no command to launch (expected: chexflow launch -n N CMD ...)")
+        raise ConfigError("no command to launch (expected: chexflow launch -n N CMD ...)")
     if n < 1:
-        raise ValueError(f"chexflow launch: -n must be >= 1, got {n}")
+        raise ConfigError(f"-n: {n} ranks; launch needs at least 1")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend {backend!r} is none of {' | '.join(BACKENDS)} (--backend, or CHEXFLOW_BACKEND)")
     if backend == "horovod":
         horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable), "horovodrun")
         if not os.path.exists(horovodrun):
@@ -42,9 +47,9 @@ def local_command(backend: str, n: int, cmd: list[str]) -> list[str]:
                 "--master-port", str(port), "--no-python", *cmd]
     if backend == "single":
         if n != 1:
-            raise ValueError(f"backend 'single' runs one rank, not {n}")
+            raise ConfigError(f"-n: backend 'single' runs one rank, not {n}")
         return list(cmd)
-    raise ValueError(f"unknown backend {backend!r} (horovod | ddp | single)")
+    raise AssertionError(backend)       # (every name of BACKENDS is handled above)
 
 
 def _become_subreaper() -> None:
