@@ -185,6 +185,40 @@ def test_training_from_pretraining_without_the_file_is_a_refusal(demo_manifest, 
         "(--pretrained)" + todo("ConfigError")]
 
 
+def test_the_study_config_a_rank_status_and_the_divergence_marker_are_read_as_untrusted_files(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """A FIFO where a file is read never blocks: the report's study config is refused (exit 11), a bad
+    one is a setting (exit 2); a rank's status file or the divergence marker that is not a regular
+    file, or not JSON, is passed over."""
+    import os
+    from chexflow.train import run as train_run
+    from chexflow.train.trainer import DIVERGED_MARKER
+    monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    argv = ["report", "--out", str(tmp_path / "r.html"), "--inputs-json", "{}", "--study-config"]
+    with pytest.raises(SystemExit) as ended:
+        cli.main([*argv, str(fifo)])
+    assert ended.value.code == 11
+    assert capsys.readouterr().err == (f"chexflow report: {fifo}: a FIFO (named pipe), not a regular file; not read"
+                                       + todo("OSError") + "\n")
+    (tmp_path / "bad.yaml").write_text("a: [1\n")
+    with pytest.raises(SystemExit) as ended:
+        cli.main([*argv, str(tmp_path / "bad.yaml")])
+    assert ended.value.code == 2 and capsys.readouterr().err.startswith(
+        f"chexflow report: {tmp_path / 'bad.yaml'}: not a study config (while parsing a flow sequence")
+    status = tmp_path / "status"
+    status.mkdir()
+    os.mkfifo(status / "1.json")
+    (status / "2.json").write_text("{")
+    assert errors.first_recorded_exit(status) is None
+    monkeypatch.setenv(errors.RANK_STATUS_ENV, str(status))
+    errors.record_exit(7, ["chexflow x: y (z)"])
+    assert errors.first_recorded_exit(status) == (7, ["chexflow x: y (z)"])
+    os.mkfifo(tmp_path / DIVERGED_MARKER)
+    assert train_run._divergence(tmp_path) == "non-finite training loss"
+
+
 # --------------------------------------------------------------------------- real refusals, real processes
 
 def chexflow_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -34,6 +34,30 @@ def test_summary_speedup_and_efficiency(tmp_path):
         scaling.summarize(points + points[:1])
 
 
+def test_a_point_file_is_read_as_an_untrusted_file(tmp_path):
+    """throughput.json through read_point: a FIFO is refused without blocking; malformed JSON or a
+    missing measurement names the file and the key."""
+    from chexflow.fsutil import NotRegularFile
+    point = {"world_size": 1, "images_per_sec": 100.0, "images_per_sec_per_rank": 100.0, "measured_epoch_s": 2.0,
+             "time_per_epoch_s": 60.0, "epoch_images": 6000, "steps_per_rank": 10, "batch_per_rank": 8,
+             "global_batch": 8}
+    path = tmp_path / "throughput.json"
+    path.write_text(json.dumps(point))
+    assert scaling.read_point(path) == point
+    for text, message in (("{", "not a scaling point \\(not valid JSON"), ("[]", "not a scaling point \\(a JSON list, not an object"),
+                          (json.dumps({**point, "images_per_sec": "fast"}), "images_per_sec must be a number, got 'fast'"),
+                          (json.dumps({k: v for k, v in point.items() if k != "global_batch"}),
+                           "global_batch must be a number, got None")):
+        path.write_text(text)
+        with pytest.raises(scaling.ScalingError, match=f"{path}: {message}"):
+            scaling.write_summary([path], out_csv=tmp_path / "s.csv", out_json=tmp_path / "s.json",
+                                  out_png=tmp_path / "s.png")
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(NotRegularFile, match="a FIFO"):
+        scaling.read_point(path)
+
+
 def test_train_config_fixes_the_per_rank_workload():
     pre = TrainConfig(stage="pretrain", epochs=30, batch_size=256)
     study = ScalingConfig(steps_per_rank=7, batch_size=16, epochs=2, arch="resnet34", crop=24)

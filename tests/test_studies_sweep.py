@@ -5,6 +5,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import shutil
 
 import pandas as pd
@@ -81,6 +82,38 @@ def test_selection_ignores_failed_trials():
     assert list(df["winner"]) == [False, False, True, False, False]
     with pytest.raises(sweep.SweepError, match="no sweep trial succeeded.*t001: diverged"):
         sweep.select([r for r in results if r["status"] == "failed"])
+
+
+def test_the_records_a_trial_leaves_are_read_as_untrusted_files(tmp_path):
+    """metrics.jsonl through the training's one reader (train.epochs.read_epochs), result.json through
+    the sweep's: a FIFO is refused without blocking, malformed JSON names the file, the line or the key."""
+    from chexflow.fsutil import NotRegularFile
+    from chexflow.train.epochs import EpochsRecordError
+    epochs = tmp_path / "metrics.jsonl"
+    epochs.write_text("".join(json.dumps({"epoch": e, "train_loss": 1.0, "val_metric": v, "val_metric_name": "auc"})
+                              + "\n" for e, v in ((1, 0.6), (2, float("nan")), (3, 0.7), (4, 0.65))))
+    assert sweep._best(epochs) == (0.7, "auc", 3)
+    epochs.write_text('{"epoch": 1, "train_loss": 1.0, "val_metric": 0.5}\n{"epoch": 2,\n')
+    with pytest.raises(EpochsRecordError, match=f"{epochs}:2: not valid JSON"):
+        sweep._best(epochs)
+    result = tmp_path / "result.json"
+    good = {"trial": "t000", "params": {}, "status": "ok", "val_metric": 0.7, "model": "m.pt"}
+    result.write_text(json.dumps(good))
+    assert sweep.read_result(result) == good
+    for text, message in (("{", "not valid JSON"), ("[1]", "a JSON list, not an object"),
+                          (json.dumps({**good, "params": 3}), "params is not an object"),
+                          (json.dumps({k: v for k, v in good.items() if k != "status"}), r"no \['status'\]")):
+        result.write_text(text)
+        with pytest.raises(sweep.SweepRecordError, match=f"{result}: not a sweep trial's result.*{message}"):
+            sweep.read_result(result)
+    for path in (epochs, result):
+        path.unlink()
+        os.mkfifo(path)
+    with pytest.raises(NotRegularFile, match="a FIFO"):
+        sweep._best(epochs)
+    with pytest.raises(NotRegularFile, match="a FIFO"):
+        sweep.write_selection([result], out_csv=tmp_path / "s.csv", out_json=tmp_path / "s.json",
+                              out_model=tmp_path / "m.pt")
 
 
 @pytest.mark.slow

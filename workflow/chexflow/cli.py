@@ -164,10 +164,18 @@ def cmd_export(args) -> None:
 def cmd_report(args) -> None:
     from chexflow.report.render import ReportInputError, collect_provenance, render_report
     import yaml
-    if args.study_config_json:
-        config = json.loads(args.study_config_json)
-    else:
-        config = yaml.safe_load(args.study_config.read_text()) if args.study_config else {}
+    from chexflow.fsutil import read_text_regular
+    try:
+        if args.study_config_json:
+            config = json.loads(args.study_config_json)
+        else:
+            config = yaml.safe_load(read_text_regular(args.study_config, what="study config")) \
+                if args.study_config else {}
+    except (ValueError, yaml.YAMLError) as exc:          # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{args.study_config or '--study-config-json'}: not a study config ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{args.study_config or '--study-config-json'}: not a study config (a "
+                          f"{type(config).__name__}, not a mapping)")
     try:
         inputs = json.loads(args.inputs_json)
     except json.JSONDecodeError as exc:

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from chexflow.fsutil import write_text_atomic
+from chexflow.fsutil import read_text_regular, write_text_atomic
 
 DEBUG_ENV = "CHEXFLOW_DEBUG"
 # set by `chexflow launch` for its ranks: a folder where each rank's chexflow leaves its exit status
@@ -94,6 +94,7 @@ REFUSALS: dict[str, Refusal] = {
     "ComparisonInputError": Refusal(7, _REWRITE),
     "ModelFileInputError": Refusal(7, _REWRITE),
     "ScalingError": Refusal(7, _REWRITE),
+    "SweepRecordError": Refusal(7, _REWRITE),
     # downloads
     "DownloadError": Refusal(8, "check the mirror or the network, then run snakemake again: a partial download "
                                 "resumes"),
@@ -170,7 +171,7 @@ def first_recorded_exit(where: Path | str) -> tuple[int, list[str]] | None:
     for entry in os.scandir(where):
         if entry.name.endswith(".json") and entry.is_file(follow_symlinks=False):
             try:
-                record = json.loads(Path(entry.path).read_text())
+                record = json.loads(read_text_regular(entry.path, follow_symlinks=False, what="rank status"))
                 found.append((entry.stat().st_mtime_ns, int(record["code"]), [str(x) for x in record["lines"]]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue

@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.fsutil import atomic_path, read_text_regular, write_text_atomic
 from chexflow.studies.config import ScalingConfig
 from chexflow.train.config import TrainConfig
 
@@ -26,6 +26,8 @@ COLUMNS = ["world_size", "images_per_sec", "images_per_sec_per_rank", "speedup",
            "efficiency", "time_per_epoch_s", "measured_epoch_s", "steps_per_rank", "batch_per_rank",
            "global_batch", "epoch_images", "nodes", "ranks_per_node", "cores_per_node", "threads_per_rank"]
 PLACEMENT = ("nodes", "ranks_per_node", "cores_per_node", "threads_per_rank")   # where the ranks ran
+# the columns a point measures (summarize computes the rest; PLACEMENT may be absent from older points)
+MEASURED = tuple(c for c in COLUMNS if c not in ("speedup", "ideal_speedup", "efficiency", *PLACEMENT))
 
 
 class ScalingError(ValueError):
@@ -76,6 +78,7 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
     """
     from chexflow.data import loader as data
     from chexflow.train.backends import backend_for
+    from chexflow.train.epochs import read_epochs
     from chexflow.train.inputs import TrainData
     from chexflow.train.run import start
     from chexflow.train.trainer import TrainPaths
@@ -101,7 +104,7 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
         outcome = start(cfg, paths, backend=backend)
         code = outcome.exit_code
         if outcome.finished and backend.is_root:
-            history = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            history = read_epochs(out_dir / "metrics.jsonl", "scaling point")
             point = throughput_point(history, world=world, scaling=scaling,
                                      n_epoch_images=epoch_images(pretrain, data.read_manifest(manifest)))
             point["threads_per_rank"] = int(os.environ.get("OMP_NUM_THREADS", 0)) or None
@@ -167,8 +170,26 @@ def figure(df: pd.DataFrame):
     return fig
 
 
+def read_point(path: Path) -> dict[str, Any]:
+    """A world size's throughput.json as :func:`run_point` writes it (a regular file, a JSON object with a
+    number for every measured column); anything else is a :class:`ScalingError` naming the file and key."""
+    path = Path(path)
+    try:
+        point = json.loads(read_text_regular(path, what="scaling point"))
+    except FileNotFoundError as exc:
+        raise ScalingError(f"scaling point not found: {path}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ScalingError(f"{path}: not a scaling point (not valid JSON: {exc})") from exc
+    if not isinstance(point, dict):
+        raise ScalingError(f"{path}: not a scaling point (a JSON {type(point).__name__}, not an object)")
+    for key in MEASURED:
+        if isinstance(point.get(key), bool) or not isinstance(point.get(key), (int, float)):
+            raise ScalingError(f"{path}: {key} must be a number, got {point.get(key)!r}")
+    return point
+
+
 def write_summary(point_files: list[Path], *, out_csv: Path, out_json: Path, out_png: Path) -> pd.DataFrame:
-    points = [json.loads(Path(p).read_text()) for p in point_files]
+    points = [read_point(p) for p in point_files]
     df = summarize(points)
     with atomic_path(out_csv) as tmp:
         df.to_csv(tmp, index=False, float_format="%.6g")

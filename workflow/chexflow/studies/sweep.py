@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.fsutil import atomic_path, read_text_regular, write_text_atomic
 from chexflow.settings import ConfigError, from_dict, write_yaml_atomic
 from chexflow.studies.config import SweepConfig
 from chexflow.train.config import TrainConfig
@@ -38,6 +38,10 @@ CHOICE = {"batch_size", "freeze"}                   # one of the listed values
 
 class SweepError(ConfigError):
     pass
+
+
+class SweepRecordError(ValueError):
+    """A trial's result.json that is not the sweep's record (names the file and the key)."""
 
 
 def space_of(cfg: SweepConfig) -> dict[str, tuple]:
@@ -109,7 +113,8 @@ def trial_config(finetune: dict, params: dict[str, Any]) -> TrainConfig:
 
 
 def _best(history_file: Path) -> tuple[float | None, str | None, int | None]:
-    rows = [json.loads(x) for x in history_file.read_text().splitlines() if x.strip()]
+    from chexflow.train.epochs import read_epochs
+    rows = read_epochs(history_file, "sweep trial")
     finite = [r for r in rows if r.get("val_metric") is not None and math.isfinite(float(r["val_metric"]))]
     if not finite:
         return None, rows[-1].get("val_metric_name") if rows else None, None
@@ -181,8 +186,31 @@ def table(results: list[dict[str, Any]], winner: str | None) -> "pd.DataFrame":
     return pd.DataFrame(rows)
 
 
+# the keys of result.json the selection reads (run_trial writes them all)
+RESULT_KEYS = ("trial", "params", "status", "val_metric", "model")
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """A trial's result.json as :func:`run_trial` writes it (a regular file, a JSON object with
+    RESULT_KEYS); anything else is a :class:`SweepRecordError` naming the file and the key."""
+    path = Path(path)
+    try:
+        result = json.loads(read_text_regular(path, what="sweep trial result"))
+    except FileNotFoundError as exc:
+        raise SweepRecordError(f"sweep trial result not found: {path}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SweepRecordError(f"{path}: not a sweep trial's result (not valid JSON: {exc})") from exc
+    if not isinstance(result, dict):
+        raise SweepRecordError(f"{path}: not a sweep trial's result (a JSON {type(result).__name__}, not an object)")
+    missing = [k for k in RESULT_KEYS if k not in result]
+    if missing or not isinstance(result["params"], dict):
+        raise SweepRecordError(f"{path}: not a sweep trial's result: " + (f"no {missing}" if missing else
+                                                                          "params is not an object"))
+    return result
+
+
 def write_selection(result_files: list[Path], *, out_csv: Path, out_json: Path, out_model: Path) -> dict[str, Any]:
-    results = [json.loads(Path(p).read_text()) for p in result_files]
+    results = [read_result(p) for p in result_files]
     winner = select(results)
     df = table(results, winner["trial"])
     with atomic_path(out_csv) as tmp:

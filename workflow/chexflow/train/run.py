@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from chexflow.fsutil import read_text_regular
 from chexflow.settings import to_dict
 from chexflow.train.backends import Backend, backend_for
 from chexflow.train.config import TrainConfig
@@ -84,7 +85,7 @@ def start(cfg: TrainConfig, paths: TrainPaths, *, backend: Backend | None = None
 def _divergence(out_dir: Path) -> str:
     marker = Path(out_dir) / DIVERGED_MARKER
     try:
-        info = json.loads(marker.read_text())      # written by rank 0 only
+        info = json.loads(read_text_regular(marker, what="divergence marker"))      # written by rank 0 only
     except (OSError, ValueError):
         return "non-finite training loss"
     return f"non-finite training loss at step {info.get('step')}"
