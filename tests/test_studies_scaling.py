@@ -44,10 +44,11 @@ def test_a_point_file_is_read_as_an_untrusted_file(tmp_path):
     path = tmp_path / "throughput.json"
     path.write_text(json.dumps(point))
     assert scaling.read_point(path) == point
-    for text, message in (("{", "not a scaling point \\(not valid JSON"), ("[]", "not a scaling point \\(a JSON list, not an object"),
-                          (json.dumps({**point, "images_per_sec": "fast"}), "images_per_sec must be a number, got 'fast'"),
-                          (json.dumps({k: v for k, v in point.items() if k != "global_batch"}),
-                           "global_batch must be a number, got None")):
+    bad = [("{", "not a scaling point \\(not valid JSON"), ("[]", "not a scaling point \\(a JSON list, not an object"),
+           (json.dumps({**point, "images_per_sec": "fast"}), "images_per_sec must be a number, got 'fast'"),
+           (json.dumps({k: v for k, v in point.items() if k != "global_batch"}),
+            "global_batch must be a number, got None")]
+    for text, message in bad:
         path.write_text(text)
         with pytest.raises(scaling.ScalingError, match=f"{path}: {message}"):
             scaling.write_summary([path], out_csv=tmp_path / "s.csv", out_json=tmp_path / "s.json",

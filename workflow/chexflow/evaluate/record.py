@@ -72,7 +72,8 @@ def choose_operating_point(val_y: np.ndarray, val_s: np.ndarray, test_y: np.ndar
         on_test = operating_point(test_y, test_s, thr) if test_y.size else {    # no known test label: nothing measured
             "threshold": float(thr), **dict.fromkeys(("sensitivity", "specificity", "ppv", "npv", "f1")),
             **dict.fromkeys(("tp", "fp", "tn", "fn"), 0)}
-        return {"threshold_val_youden": float(thr), "test_operating_point": on_test, "operating_point_split": "validation"}
+        return {"threshold_val_youden": float(thr), "test_operating_point": on_test,
+                "operating_point_split": "validation"}
     if np.unique(test_y).size < 2:
         return {}
     thr = youden_threshold(test_y, test_s)

@@ -4,9 +4,10 @@ heatmaps scored against the release's boxes.
 
 The model arriving here was selected on validation by the fine-tuning stage; the test split is
 used once, here, and never for selection. Its run id covers the train and val data; that no test
-patient is one of theirs is checked from the shards before anything is scored (``leakage``). Operating points are chosen on validation (Youden's J)
-and then applied to test; a threshold resting on few validation positives is flagged; a finding
-with one class in validation falls back to a test-chosen point, recorded as such (``record``).
+patient is one of theirs is checked from the shards before anything is scored (``leakage``).
+Operating points are chosen on validation (Youden's J) and then applied to test; a threshold
+resting on few validation positives is flagged; a finding with one class in validation falls back
+to a test-chosen point, recorded as such (``record``).
 """
 from __future__ import annotations
 

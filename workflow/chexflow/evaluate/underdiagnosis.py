@@ -168,6 +168,6 @@ def table(record: dict) -> list[dict]:
     return rows
 
 
-COLUMNS = ("kind", "attribute", "group", "n_images", "n_patients", "images_set_aside", "images_with_finding", "images_missed",
-           "image_rate", "image_ci_low", "image_ci_high", "patients_with_finding", "patients_missed", "patient_rate",
-           "patient_ci_low", "patient_ci_high", "patient_exact_ci_low", "patient_exact_ci_high", "note")
+COLUMNS = ("kind", "attribute", "group", "n_images", "n_patients", "images_set_aside", "images_with_finding",
+           "images_missed", "image_rate", "image_ci_low", "image_ci_high", "patients_with_finding", "patients_missed",
+           "patient_rate", "patient_ci_low", "patient_ci_high", "patient_exact_ci_low", "patient_exact_ci_high", "note")

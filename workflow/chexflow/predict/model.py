@@ -2,10 +2,10 @@
 did to its images (:class:`Preprocess`), its labels, the thresholds chosen on validation, its run id.
 
 A model file with a ``predict`` record (evaluation's ``model.pt``, checked by
-``checkpoint.load_model`` and ``predict_record.refuse_if_malformed``) makes a :class:`Predictor` alone: weights, architecture, labels, crop, run
-id, the dataset whose decoding the files go through (``registry.get(dataset).decode``, the shard
-stage's), the stored side, the normalisation, the validation thresholds, whether the training data
-was synthetic. Two files override parts of it (and stand in for a model file without the record, as
+``checkpoint.load_model`` and ``predict_record.refuse_if_malformed``) makes a :class:`Predictor`
+alone: weights, architecture, labels, crop, run id, the dataset whose decoding the files go through
+(``registry.get(dataset).decode``, the shard stage's), the stored side, the normalisation, the
+validation thresholds, whether the training data was synthetic. Two files override parts of it (and stand in for a model file without the record, as
 the fine-tuning writes it), each checked (every file read is untrusted):
 - the dataset manifest the model was trained on: the stored side and the dataset;
 - ``metrics.json`` of the evaluation: ``threshold_val_youden`` per label, chosen on validation.

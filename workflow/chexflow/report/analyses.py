@@ -127,8 +127,8 @@ def limitations(ctx: dict[str, Any]) -> list[str]:
     loc = ctx["localisation"]
     if loc and loc["elsewhere"]:
         out.append(f"{', '.join(loc['elsewhere'])}: the AUROC is above chance, but the heatmaps point at the finding "
-                   "significantly less often than a random point (exact Poisson-binomial test): the model may rest on other "
-                   "cues.")
+                   "significantly less often than a random point (exact Poisson-binomial test): the model may rest "
+                   "on other cues.")
     sub = ctx["subgroups"]
     if sub:
         small = [f"{g['attribute_name'].lower()} {g['group']}" for g in sub["groups"]

@@ -134,7 +134,8 @@ def fold_stem(model: torch.nn.Module, state: dict[str, torch.Tensor], *, mean: t
     return out
 
 
-def load_init_file(model: torch.nn.Module, path: Path, *, arch: str, stages: int | None = None) -> tuple[list[str], int]:
+def load_init_file(model: torch.nn.Module, path: Path, *, arch: str,
+                   stages: int | None = None) -> tuple[list[str], int]:
     """Initialise ``model``'s backbone (a chexflow ``arch``) from the file at ``path`` (head new, RGB stem
     folded exactly for chexflow's grey input); returns the names of the tensors taken and how many the
     file holds. A file that does not fit is an :class:`InitFileError` naming it."""
