@@ -72,6 +72,9 @@ def test_data_identity_is_the_manifests_content_not_its_file(demo_manifest, tmp_
     assert identity.data_changes(old, new) == (
         f"train: shards: 1 new, 1 gone of {len(old['splits']['train']['shards'])}; "
         f"val: images {old['splits']['val']['n_images']} -> {old['splits']['val']['n_images'] + 5}")
+    older = {**old, "splits": {**old["splits"], "test": {"n_images": 3}}}      # a summary that covered test
+    assert identity.data_changes(older, old) == ("none in the splits training reads (recorded when the run id "
+                                                 "covered the test split too)")
     # the test split's own digest: of its counts and shards, not of the rest of the manifest
     test = identity.split_summary(demo_manifest, "test")
     assert test["sha256"] == identity.split_summary(moved, "test")["sha256"]

@@ -142,7 +142,8 @@ def run_id(cfg: TrainConfig, manifest: Path, pretrained: Path | None) -> str:
 
 
 def data_changes(old: dict, new: dict) -> str:
-    """What differs between two data summaries, in a few words."""
+    """What differs between two data summaries, in a few words (the splits training reads only: a
+    summary recorded by a chexflow whose run id also covered the test split says so)."""
     out = []
     for key in ("dataset", "task", "image_size", "encoding"):
         if old.get(key) != new.get(key):
@@ -153,8 +154,7 @@ def data_changes(old: dict, new: dict) -> str:
         out.append(f"labels changed (added {added}, removed {removed})" if added or removed
                    else "labels reordered")
     old_splits, new_splits = old.get("splits", {}), new.get("splits", {})
-    for name in sorted(set(old_splits) | set(new_splits), key=lambda s: ("train", "val", "test", s).index(s)
-                       if s in ("train", "val", "test") else 3):
+    for name in sorted((set(old_splits) | set(new_splits)) & set(TRAINING_SPLITS), key=TRAINING_SPLITS.index):
         a, b = old_splits.get(name, {}), new_splits.get(name, {})
         if a == b:
             continue
@@ -170,6 +170,8 @@ def data_changes(old: dict, new: dict) -> str:
         if a.get("label_counts") != b.get("label_counts"):
             parts.append("label counts")
         out.append(f"{name}: {', '.join(parts) or 'changed'}")
+    if not out and set(old_splits) - set(TRAINING_SPLITS):
+        return "none in the splits training reads (recorded when the run id covered the test split too)"
     return "; ".join(out) or "the manifest's content differs"
 
 
