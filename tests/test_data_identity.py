@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from chexflow import host
 from chexflow.data.loader import ManifestError
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import identity
@@ -123,6 +124,9 @@ def check_disjoint(work: Path, dataset: str = "nih_demo") -> set[str]:
     assert trained and test and not trained & test
     metrics = json.loads((work / TARGET).read_text())
     assert metrics["model_run_id"] == record["run_id"] and metrics["model_run_id_checked"]
+    # where each number was measured: the training's host (from the model file) and the evaluation's
+    assert metrics["training_host"] == record["host"] and metrics["host"]["cpu_model"] == host.cpu_model()
+    assert record["host"]["backend"] == "horovod" and not host.problems(metrics["host"])
     return trained
 
 
