@@ -17,8 +17,6 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import torch
-
 # key -> the types a recorded host may hold there (None: not known on that host)
 FIELDS: dict[str, tuple[type, ...]] = {
     "hostname": (str,), "cpu_model": (str,), "cpu_capability": (str,), "cores": (int,), "torch_threads": (int,),
@@ -45,7 +43,9 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 def describe(*, backend: str | None = None, world_size: int | None = None) -> dict[str, Any]:
     """This process's host: CPU model and the vector ISA torch dispatches to, cores it may use and
     torch's threads, GPUs, the versions of torch, CUDA and cuDNN; the backend and world size of the
-    run when given (a training's)."""
+    run when given (a training's). Imports torch (the readers of a record do not need it)."""
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     out: dict[str, Any] = {
