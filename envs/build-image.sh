@@ -8,7 +8,7 @@
 #                       (--new-base makes it again); no image registry needed (air-gapped sites)
 #   --python PREFIX     (with mmdebstrap) a CPython installation (e.g. pyenv's ~/.pyenv/versions/3.11.7, its
 #                       site-packages left out) copied into the base at the same path and used instead of
-#                       Debian's python3 (3.11.2 lacks the tarfile filters chexflow needs: 3.11.4 or newer)
+#                       Debian's python3 (3.11.2, which chexflow runs on: the default)
 #   --base IMAGE        any Debian/Ubuntu image with python3, e.g. an NGC PyTorch image (with --skip-torch)
 #   --skip-torch        keep the base's torch (CHEXFLOW_SKIP_TORCH=1); Horovod is built against it
 #   --nccl              Horovod with NCCL allreduce (HOROVOD_GPU_OPERATIONS=NCCL; needs a CUDA base)

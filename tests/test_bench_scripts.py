@@ -31,3 +31,15 @@ def test_train_throughput_runs_its_three_measurements(tmp_path):
     assert r["full_over_bare"] == pytest.approx(r["full_img_s"] / r["bare_img_s"], rel=5e-3)
     assert r["loader_over_full"] == pytest.approx(r["loader_img_s"] / r["full_img_s"], rel=5e-3)
     assert "chexflow full" in proc.stdout and "loader alone" in proc.stdout
+
+
+def test_machine_speed_prints_its_figure_and_host(tmp_path):
+    out = tmp_path / "speed.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "machine_speed.py"), "--batch", "4", "--steps", "1",
+                           "--warmup", "1", "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    cores = r["cores"]
+    assert r["img_s_1_thread"] > 0 and r[f"img_s_{cores}_threads"] > 0
+    assert r["host"]["cores"] == cores and "machine speed:" in proc.stdout and r["host"]["cpu_model"] in proc.stdout

@@ -27,8 +27,7 @@ from chexflow.config import check_study
 from chexflow.settings import ConfigError
 from conftest import REPO, cli_env
 
-DEMO_MEAN_AUROC = 0.677291          # the default demo's test mean AUROC (README, docs/benchmarks-log.md)
-DEMO_TEST_IMAGES = 443
+DEMO_TEST_IMAGES = 443              # fixed by the demo release's seeded sampling of the NIH label table
 
 
 def _config(**container) -> dict:
@@ -134,11 +133,10 @@ def in_image(test):
 
 
 def _build(tag: str) -> tuple[subprocess.CompletedProcess, float]:
-    """build-image.sh on a Debian base made by mmdebstrap, with this interpreter's Python (Debian's 3.11.2
-    lacks the tarfile filters; the host's Python is what the tests run on)."""
-    python = [] if sys.base_prefix == "/usr" else ["--python", sys.base_prefix]
+    """``bash envs/build-image.sh`` as documented, with no option but the name: a Debian bookworm base
+    made by mmdebstrap, Debian's python3 (3.11.2)."""
     start = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "envs/build-image.sh"), "--base", "mmdebstrap", *python, "--tag", tag],
+    proc = subprocess.run(["bash", str(REPO / "envs/build-image.sh"), "--tag", tag],
                           cwd=REPO, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc, time.monotonic() - start
@@ -243,9 +241,9 @@ def _host_demo(workdir: Path) -> dict:
 
 @in_image
 def test_default_demo_in_the_image_gives_the_host_metrics(image, tmp_path):
-    """The default demo, offline, inside the image: the host's test metrics, finding by finding (a host
-    run beside it), the known mean AUROC, and each finding's AUROC recomputed here from the predictions
-    it wrote (scikit-learn)."""
+    """The default demo, offline, inside the image: the test metrics of a host run beside it, finding by
+    finding (the same machine: the same kernels, so the same digits; no figure from another host is
+    pinned), and each finding's AUROC recomputed here from the predictions it wrote (scikit-learn)."""
     out = run_in(image, "cd /opt/chexflow && snakemake --profile profiles/default > /tmp/demo.log 2>&1 "
                         "|| { tail -n 80 /tmp/demo.log; exit 1; }; "
                         "cat results/evaluate/metrics.json; echo; echo ====; cat results/evaluate/predictions.csv",
@@ -253,7 +251,6 @@ def test_default_demo_in_the_image_gives_the_host_metrics(image, tmp_path):
     metrics_text, csv = out.split("====\n", 1)
     metrics = json.loads(metrics_text[metrics_text.index("{"):])
     assert metrics["n_images"] == DEMO_TEST_IMAGES
-    assert round(metrics["mean_auroc"], 6) == DEMO_MEAN_AUROC
     host = _host_demo(tmp_path / "host")
     labels = metrics["mean_auroc_labels"]
     print("finding: AUROC in the image / on the host")

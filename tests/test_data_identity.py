@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 
+from chexflow import host
 from chexflow.data.loader import ManifestError
 from chexflow.evaluate import leakage
 from chexflow.evaluate import run as evaluate
@@ -173,6 +174,9 @@ def check_disjoint(work: Path, dataset: str = "nih_demo") -> set[str]:
     assert metrics["model_run_id"] == record["run_id"] and metrics["model_run_id_checked"]
     assert metrics["test_split"]["sha256"] == identity.split_summary(manifest, "test")["sha256"]
     assert metrics["test_split"]["shared_patients"] == 0 and metrics["test_split"]["n_patients"] == len(test)
+    # where each number was measured: the training's host (from the model file) and the evaluation's
+    assert metrics["training_host"] == record["host"] and metrics["host"]["cpu_model"] == host.cpu_model()
+    assert record["host"]["backend"] == "horovod" and not host.problems(metrics["host"])
     return trained
 
 

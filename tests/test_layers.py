@@ -13,7 +13,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "workflow" / "chexflow"
 # top-level module or subpackage of chexflow -> its layer (a lower layer never imports a higher one)
-LAYERS = {"__init__": 0, "fsutil": 0, "settings": 0, "data": 1, "train": 2, "evaluate": 3, "report": 4, "predict": 4,
+LAYERS = {"__init__": 0, "fsutil": 0, "settings": 0, "host": 0, "data": 1, "train": 2, "evaluate": 3, "report": 4, "predict": 4,
           "studies": 5, "config": 6, "cli": 6, "__main__": 6, "profiles": 6}
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from chexflow import host
 from chexflow.settings import from_dict
 from chexflow.train.config import TrainConfig
 from chexflow.train import checkpoint as ckpt
@@ -68,6 +69,9 @@ def test_channels_last_bf16_forced_on_cpu_train_and_save_standard_layout(demo_ma
     assert saved.is_contiguous(), "model files hold the standard layout"
     row = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["train_loss"] == row["train_loss"] and row["train_loss"] > 0    # finite
+    # where it was measured: this process's host, in the epoch's row and in the model file
+    assert row["host"] == host.describe(backend="single", world_size=1)
+    assert torch.load(tmp_path / "out" / "model.pt", weights_only=True)["host"] == row["host"]
     # auto keeps CPU runs in the standard format and fp32
     auto = trainer(cfg_of(), demo_manifest, tmp_path / "auto")
     assert not auto.channels_last and not auto.bf16

@@ -4,7 +4,7 @@ Each patch is a pure text-in, text-out function and idempotent; :func:`patch_sou
 from __future__ import annotations
 
 import re
-import tarfile
+from backports import tarfile   # extraction filters on every Python 3.11 (chexflow.data.archives)
 from pathlib import Path
 from typing import Sequence
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import gzip
 import logging
 import os
-import tarfile
 import zlib
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
+
+# Python 3.12's tarfile, with the extraction filters (PEP 706), on every Python chexflow runs on: the
+# standard library has them from 3.11.4, Debian 12's python3 is 3.11.2. One implementation
+# everywhere: the members checked here and in chexflow's image are checked by the same code.
+from backports import tarfile
 
 from chexflow.fsutil import open_regular
 

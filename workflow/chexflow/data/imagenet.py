@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import io
 import re
-import tarfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ import pandas as pd
 
 from chexflow.data.config import ShardConfig
 from chexflow.data import archives, images
+from chexflow.data.archives import tarfile   # the one tarfile the readers check members with
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
 from chexflow.data.sources import RemoteFile, Source
 

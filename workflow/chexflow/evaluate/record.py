@@ -24,6 +24,7 @@ from typing import Any, Literal, TypedDict
 import numpy as np
 import pandas as pd
 
+from chexflow import host
 from chexflow.evaluate.metrics import operating_point, youden_threshold
 from chexflow.fsutil import open_regular, read_text_regular
 
@@ -149,6 +150,10 @@ def read_metrics(path: Path) -> dict[str, Any]:
     epoch = data.get("model_epoch")
     if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
         raise MetricsRecordError(f"{path}: model_epoch must be an integer, got {epoch!r}")
+    for key in ("host", "training_host"):      # where it was measured (None or absent: not recorded)
+        problems = [] if data.get(key) is None else host.problems(data[key])
+        if problems:
+            raise MetricsRecordError(f"{path}: {key}: {'; '.join(problems)}")
     return data
 
 

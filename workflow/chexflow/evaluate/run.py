@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from chexflow import host
 from chexflow.data import loader
 from chexflow.evaluate import leakage, localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
@@ -103,7 +104,9 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
                             "mean_auroc_ci": boot.get("mean_auroc_ci"),
                             "mean_resamples_used": boot["mean_auroc"]["n_resamples_used"],
                             "mean_rule": boot["mean_auroc"]["rule"]},
-              "min_val_positives": cfg.min_val_positives, "calibration_bins": cfg.calibration_bins}
+              "min_val_positives": cfg.min_val_positives, "calibration_bins": cfg.calibration_bins,
+              # where the scores were computed, and where the model was trained (None: not recorded)
+              "host": host.describe(), "training_host": info.get("host")}
     for j, label in enumerate(labels):
         result["labels"][label] = _label_entry(cfg, label, y[:, j], s[:, j], patients, val, j, per_label[label],
                                                boot.get("labels", {}).get(label, {}).get("ci"))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chexflow import host
 from chexflow.data import loader
 from chexflow.evaluate.predict_record import THRESHOLD_RULE
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
@@ -88,7 +89,8 @@ def run(cfg: ExportConfig, *, model_path: Path, manifest: Path, out_dir: Path, m
         reference = module(x).numpy()
     summary = {"run_id": predictor.run_id, "predict_record": _record_summary(meta, Path(model_path)),
                "n_check_images": int(x.shape[0]), "tolerance": cfg.tolerance,
-               "config": to_dict(cfg), "metadata": meta, "versions": _versions(), "exports": {}}
+               "config": to_dict(cfg), "metadata": meta, "versions": _versions(), "host": host.describe(),
+               "exports": {}}
     with ExitStack() as stack:                   # every file or none: all are renamed once all checks pass
         for fmt in cfg.formats:
             tmp = stack.enter_context(atomic_path(out_dir / FILES[fmt]))

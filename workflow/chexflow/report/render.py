@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from chexflow import host
 from chexflow.evaluate import published
 from chexflow.fsutil import write_text_atomic
 from chexflow.report import analyses, plots
@@ -120,6 +121,7 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
         "underdiagnosis": analyses.underdiagnosis_view(metrics),
         "training": training,
         "tested": {"epoch": metrics.get("model_epoch"), "val_metric": metrics.get("model_val_metric")},
+        "evaluation_host": host.summary(metrics.get("host")),
         "scaling": scaling,
         "sweep": sweep,
         "ablation": ablation,

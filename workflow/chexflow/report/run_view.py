@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from chexflow import host
 from chexflow.report import plots
 from chexflow.report.templating import hms, mean_of
 
@@ -68,6 +69,7 @@ def run_view(config: dict[str, Any], manifests: dict[str, dict[str, Any]], pretr
             "world": "?" if world is None else world,
             "split": manifest.get("split_source") or "not recorded",
             "release": release_text(manifest) if manifest else "n/a",
+            "hosts": hosts_text(epochs),
         })
     subtitle = " and ".join(f"{s['arch']} {s['what']} on {s['title']} ({s['backend']}, {s['world']} rank"
                             f"{'' if s['world'] == 1 else 's'})" for s in stages)
@@ -78,6 +80,22 @@ def run_view(config: dict[str, Any], manifests: dict[str, dict[str, Any]], pretr
         pilot = PILOT_BANNER.format(n_parts=len(cov["parts"]), n_release=cov["n_release_parts"], title=fine["title"],
                                     n_found=cov["n_found"], n_listed=cov["n_listed"])
     return {"subtitle": subtitle, "stages": stages, "pilot_banner": pilot}
+
+
+def hosts_text(epochs: list[dict[str, Any]]) -> str:
+    """Where a training's epochs were measured: one host, or each host with its epochs (a requeue
+    may resume a run on another node, whose speed and kernels differ)."""
+    runs: list[tuple[str, list[Any]]] = []
+    for e in epochs:
+        text = host.summary(e.get("host"))
+        if runs and runs[-1][0] == text:
+            runs[-1][1].append(e.get("epoch"))
+        else:
+            runs.append((text, [e.get("epoch")]))
+    if len(runs) == 1:
+        return runs[0][0]
+    span = lambda ep: f"epoch {ep[0]}" if len(ep) == 1 else f"epochs {ep[0]}-{ep[-1]}"   # noqa: E731
+    return "; ".join(f"{span(ep)}: {text}" for text, ep in runs)
 
 
 def training_view(epochs: list[dict[str, Any]], title: str, *, tested: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from chexflow import __version__
+from chexflow import __version__, host as hosts
 from chexflow.fsutil import NotRegularFile, atomic_path, check_regular, open_regular
 from chexflow.train.weights import weights_problem
 
@@ -402,18 +402,20 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, Any], *, sourc
 # ------------------------------------------------------------------ model files
 def model_record(*, state_dict: dict, run_id: str, stage: str, dataset: str, task: str, labels: list[str],
                  arch: str, in_channels: int, crop: int, epoch: int, val_metric: float, val_metric_name: str,
-                 config: dict, data: dict | None = None) -> dict:
+                 config: dict, data: dict | None = None, host: dict | None = None) -> dict:
     """A model file's content (``model.pt``, ``best-<run id>.pt``): the weights and what identifies
     them (the run id of the settings, data and starting weights that trained them, the task and labels
     they predict, the network, the format version); ``data``: the summary of the dataset it was
-    trained on (``chexflow.train.identity.data_summary``: its shards' sha256 per split). Checked here
-    as a reader checks it."""
+    trained on (``chexflow.train.identity.data_summary``: its shards' sha256 per split); ``host``: where
+    it was trained (``chexflow.host.describe``). Checked here as a reader checks it."""
     record = {"format": MODEL_FORMAT, "chexflow_version": __version__, "run_id": run_id, "stage": stage,
               "dataset": dataset, "task": task, "labels": list(labels), "arch": arch, "in_channels": in_channels,
               "num_outputs": len(labels), "crop": crop, "epoch": epoch, "val_metric": float(val_metric),
               "val_metric_name": val_metric_name, "config": config, "state_dict": state_dict}
     if data is not None:
         record["data"] = data
+    if host is not None:
+        record["host"] = host
     problems = model_problems(record)
     if problems:
         raise ValueError(f"model record: {'; '.join(problems)}")
@@ -446,6 +448,8 @@ def model_problems(obj: Any) -> list[str]:
     if not obj["state_dict"] or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                         for k, v in obj["state_dict"].items()):
         problems.append("state_dict is not a mapping of names to tensors")
+    if "host" in obj:           # optional: model files of earlier chexflow versions have none
+        problems += [f"host: {p}" for p in hosts.problems(obj["host"])]
     return problems
 
 

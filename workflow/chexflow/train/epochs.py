@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from chexflow import host
 from chexflow.fsutil import read_text_regular
 
 REQUIRED = ("epoch", "train_loss", "val_metric")   # in every epoch's object
@@ -38,6 +39,9 @@ def read_epochs(path: Path, what: str) -> list[dict[str, Any]]:
         missing = [k for k in REQUIRED if k not in obj]
         if missing:
             raise EpochsRecordError(f"{path}:{lineno}: missing key(s) {missing}")
+        problems = host.problems(obj["host"]) if "host" in obj else []   # absent in earlier records
+        if problems:
+            raise EpochsRecordError(f"{path}:{lineno}: host: {'; '.join(problems)}")
         epochs.append(obj)
     if not epochs:
         raise EpochsRecordError(f"{path}: no epochs recorded ({what} training metrics are empty)")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from chexflow import host
 from chexflow.fsutil import write_text_atomic
 from chexflow.settings import to_dict, write_yaml_atomic
 from chexflow.train import checkpoint as ckpt
@@ -95,6 +96,8 @@ class Trainer:
         # the GPU branches, each reachable on CPU when the config forces it (tests of the GPU path)
         self.channels_last = cfg.channels_last == "always" or (cfg.channels_last == "auto" and device.type == "cuda")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+        # where this run's epochs are measured (rank 0's host; a requeue may land on another)
+        self.host = host.describe(backend=backend.name, world_size=backend.size)
         self.bpps = cfg.horovod.backward_passes_per_step
         # reads the manifest only; staging to node-local disk (a collective) happens in fit()
         self.data = TrainData.build(cfg, paths.manifest, rank=backend.rank, world=backend.size)
@@ -292,7 +295,7 @@ class Trainer:
         row = {"epoch": prog.epoch + 1, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
                "val_metric": val_metric, "val_metric_name": metric_name, "lr": sched.get_last_lr()[0],
                "images_per_sec": float(sum(per_rank)), "images_per_sec_per_rank": [float(v) for v in per_rank],
-               "epoch_time_s": stats["elapsed"], "world_size": backend.size}
+               "epoch_time_s": stats["elapsed"], "world_size": backend.size, "host": self.host}
         if not complete:
             row["max_steps_stop"] = True
         _log(backend, json.dumps(row))
@@ -432,7 +435,7 @@ class Trainer:
                                  task=self.task, labels=list(self.labels), arch=cfg.model.arch,
                                  in_channels=cfg.model.in_channels, crop=cfg.data.crop, epoch=row["epoch"],
                                  val_metric=row["val_metric"], val_metric_name=row["val_metric_name"],
-                                 config=to_dict(cfg), data=self.identity.summary)
+                                 config=to_dict(cfg), data=self.identity.summary, host=self.host)
 
     def _save(self, model, opt, sched, prog: Progress, partial=None) -> None:
         # collective first (every rank reaches this point at the same step), then rank 0 writes
