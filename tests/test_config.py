@@ -212,7 +212,7 @@ BAD = [
     ({"evaluate.saliency.top_k": -1}, r"evaluate\.saliency\.top_k: -1 is not >= 0"),
     ({"ablation.seeds": []}, r"ablation\.seeds: \[\] lists no seed"),
     ({"evaluate.crop": 32}, r"evaluate\.crop: unknown key; known: age_bands, batch_size, bootstrap_resamples, "
-     r"calibration_bins, min_subgroup_count, min_val_positives, saliency, seed"),
+     r"calibration_bins, external, min_subgroup_count, min_val_positives, saliency, seed"),
     # scaling
     ({"scaling.world_sizes": [1, 1]}, r"scaling\.world_sizes: \[1, 1\] lists a value twice"),
     ({"scaling.world_sizes": [0, 2]}, r"scaling\.world_sizes\[0\]: 0 is not >= 1"),

@@ -167,7 +167,7 @@ def test_configuration_error(tmp_path):
                         "--out", str(tmp_path / "s.csv"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines[0].startswith("chexflow split: config: bogus: unknown key; known: archives, dataset, ")
+    assert lines[0].startswith("chexflow split: config: bogus: unknown key; known: archives, blank, dataset, ")
     assert lines[1] == "chexflow split: config: val_fraction: 2.5 is not in [0, 1)" + todo("ConfigError")
 
 

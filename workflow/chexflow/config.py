@@ -179,8 +179,8 @@ def _why_stage(dotted: str) -> str:
 
 def shard_keys_excluded(name: str) -> tuple[str, ...]:
     """ShardConfig keys that ``shards.<name>`` cannot hold (a name not known: a CSV-described folder's)."""
-    options = (registry.DATASETS.get(name) or csv_folder.CSVFolder()).shard_options
-    specific = sorted({k for d in (*registry.KNOWN.values(), csv_folder.CSVFolder()) for k in d.shard_options})
+    options = (registry.adapters().get(name) or csv_folder.CSVFolder()).shard_options
+    specific = sorted({k for d in (*registry.DATASETS.values(), csv_folder.CSVFolder()) for k in d.shard_options})
     return _SHARD_SET_BY_WORKFLOW + tuple(k for k in specific if k not in options)
 
 
@@ -188,7 +188,7 @@ def _study(config: Mapping[str, Any], p: _Problems) -> StudySection | None:
     study = p.build(StudySection, _section(config, "study", p), "study")
     for stage in STAGES:
         name = getattr(study, f"{stage}_dataset", None)
-        allowed = [n for n, d in registry.DATASETS.items() if d.stage == stage]
+        allowed = [n for n, d in registry.adapters().items() if d.stage == stage]
         if study is not None and name not in allowed:
             p.add("study", f"study.{stage}_dataset: {name!r} is not one of {allowed}")
     return study if p.ok("study") else None
@@ -200,7 +200,7 @@ def _datasets(config: Mapping[str, Any], p: _Problems) -> tuple[dict[str, Source
     sources, tables = {}, {}
     for name, section in _section(config, "datasets", p).items():
         key = f"datasets.{name}"
-        adapter = registry.KNOWN.get(name)
+        adapter = registry.DATASETS.get(name)
         if adapter is None and isinstance(section, Mapping) and section.get("format") == "csv":
             if not CSV_NAME.fullmatch(str(name)):
                 p.add(key, f"{key}: a dataset's name is letters, digits and _ (starting with a letter)")
@@ -212,7 +212,7 @@ def _datasets(config: Mapping[str, Any], p: _Problems) -> tuple[dict[str, Source
                 tables[name] = spec
             continue
         if adapter is None or adapter.generated:
-            known = [n for n, d in registry.KNOWN.items() if not d.generated]
+            known = [n for n, d in registry.DATASETS.items() if not d.generated]
             p.add(key, f"{key}: not a downloaded dataset (those are: {', '.join(known)}; a generated "
                        "release has its own section; a CSV-described folder has format: csv)")
             continue
@@ -244,7 +244,7 @@ def _shards(config: Mapping[str, Any], sources: Mapping[str, SourceConfig], tabl
     out = {}
     for name, section in _section(config, "shards", p).items():
         key = f"shards.{name}"
-        adapter = registry.DATASETS.get(name)
+        adapter = registry.adapters().get(name)
         if adapter is None:
             p.add(key, f"{key}: unknown dataset; known: {', '.join(registry.NAMES)}")
             continue
@@ -367,7 +367,7 @@ def _used(s: Study) -> list[str]:
 def _folder_relations(s: Study, p: _Problems) -> None:
     """A folder dataset the study uses reads its images from a local folder (CheXpert: its mirror)."""
     for name in _used(s):
-        adapter = registry.DATASETS.get(name)
+        adapter = registry.adapters().get(name)
         if adapter is None or not adapter.folder or name in s.tables:
             continue
         mirror = (s.sources.get(name) or SourceConfig()).mirror
@@ -388,8 +388,8 @@ def _external_relations(s: Study, p: _Problems) -> None:
     fine_frontal = not fine.folder or s.shards.get(s.finetune_dataset, ShardConfig()).views == "frontal"
     for i, name in enumerate(s.evaluate.external):
         key = f"evaluate.external[{i}]"
-        adapter = registry.DATASETS.get(name)
-        allowed = [n for n, d in registry.DATASETS.items() if d.stage == "finetune" and n != s.finetune_dataset]
+        adapter = registry.adapters().get(name)
+        allowed = [n for n, d in registry.adapters().items() if d.stage == "finetune" and n != s.finetune_dataset]
         if adapter is None or name not in allowed:
             p.add("evaluate.external", f"{key}: {name!r} is not a dataset to test the fine-tuned model on (one of "
                                        f"{allowed}: another fine-tuning dataset than study.finetune_dataset)")
@@ -493,7 +493,7 @@ def check_study(config: MutableMapping[str, Any]) -> Study:
 def study_schema() -> dict:
     """The JSON schema of config.yaml (kept in sync with the dataclasses by a test); the datasets,
     their stages and their own keys come from ``chexflow.data.registry``."""
-    DATASETS = registry.KNOWN
+    DATASETS = registry.DATASETS
     datasets = {name: {"type": "object", "additionalProperties": False,
                        "properties": {"mirror": {"type": ["string", "null"]}, **d.source_options()}}
                 for name, d in DATASETS.items() if not d.generated}

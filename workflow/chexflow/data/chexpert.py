@@ -55,11 +55,11 @@ _HOW = ("CheXpert is distributed by the Stanford AIMI Center after registration 
 def read(path: Path | str, table: str) -> pd.DataFrame:
     """One of the two tables, checked: every column of the release, each row's path in the release's
     layout under ``table``/ (the patient and view taken from it, ``Frontal/Lateral`` agreeing), every
-    observation 1, 0, -1 or blank. Adds ``image`` (the path under the release folder), ``patient``,
+    observation (``No Finding`` included) 1, 0, -1 or blank. Adds ``image`` (the path under the release folder), ``patient``,
     ``sex``, ``age``, ``view`` (PA / AP / lateral / "" unknown) and ``_line``."""
     t = tables.read_table(path, COLUMNS, what=f"CheXpert {table}")
     t["image"] = t["Path"].map(_strip_release_folder)
-    tables.refuse_paths(t, "image", path)
+    tables.refuse_paths(t.assign(Path=t["image"]), "Path", path)
     match = t["image"].str.extract(PATH)
     tables.refuse_rows(match["table"].isna(), t, path, "Path",
                        "{value!r} is not in the CheXpert layout (<release>/train|valid/patientN/studyN/viewN_frontal|"
@@ -70,7 +70,7 @@ def read(path: Path | str, table: str) -> pd.DataFrame:
                        "{value!r} is neither Frontal nor Lateral", "Path")
     tables.refuse_rows(said != match["view"], t, path, "Frontal/Lateral",
                        "{value!r} but the file name says otherwise: which view the image is cannot be told", "Path")
-    tables.observations(t, {NO_FINDING: NO_FINDING}, path, "Path")
+    tables.observations(t, {label: label for label in (NO_FINDING, *LABELS)}, path, "Path")
     t["patient"] = match["patient"]
     t["sex"] = tables.sexes(t["Sex"])
     t["age"] = tables.ages(t["Age"])

@@ -32,8 +32,8 @@ DATASETS: dict[str, Dataset] = {a.name: a for a in (
     imagenet.ADAPTER,
     chexpert.ADAPTER,
 )}
-KNOWN = dict(DATASETS)            # the datasets chexflow knows; DATASETS adds the declared ones
-NAMES = tuple(DATASETS)
+DECLARED: dict[str, Dataset] = {}   # the CSV-described folders a config declares (declare)
+NAMES = tuple(DATASETS)             # every dataset of this process: the known ones, then the declared
 
 
 def declare(tables: Mapping[str, TableSpec]) -> None:
@@ -41,27 +41,26 @@ def declare(tables: Mapping[str, TableSpec]) -> None:
     process, beside the known ones (an earlier declaration of another name is dropped). A name of a
     known dataset cannot be declared."""
     global NAMES
-    clash = sorted(set(tables) & set(KNOWN))
+    clash = sorted(set(tables) & set(DATASETS))
     if clash:
         raise UnknownSourceError(f"datasets.{clash[0]}: {clash[0]!r} is a dataset chexflow knows; a CSV-described "
                                  "folder needs a name of its own")
-    DATASETS.clear()
-    DATASETS.update(KNOWN)
-    DATASETS.update({name: csv_folder.adapter(name, spec) for name, spec in tables.items()})
-    NAMES = tuple(DATASETS)
+    DECLARED.clear()
+    DECLARED.update({name: csv_folder.adapter(name, spec) for name, spec in tables.items()})
+    NAMES = (*DATASETS, *DECLARED)
 
 
-def declared(name: str) -> bool:
-    """Whether ``name`` is a declared (CSV-described) dataset of this process."""
-    return name in DATASETS and name not in KNOWN
+def adapters() -> dict[str, Dataset]:
+    """Every dataset of this process by name: the known ones and the declared ones."""
+    return {**DATASETS, **DECLARED}
 
 
 def get(name: str) -> Dataset:
     """The adapter of dataset ``name`` (``UnknownSourceError`` naming the known ones)."""
     try:
-        return DATASETS[name]
+        return DATASETS.get(name) or DECLARED[name]
     except (KeyError, TypeError):
-        raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}") from None
+        raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(NAMES)}") from None
 
 
 def get_source(name: str, *, n_archives: int | None = None) -> Source:

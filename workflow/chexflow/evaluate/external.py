@@ -23,18 +23,15 @@ import torch
 
 from chexflow.data import labelmap, loader
 from chexflow.evaluate.config import EvaluateConfig
+from chexflow.evaluate.external_record import ExternalInputError
 from chexflow.evaluate.metrics import independent_bootstrap_auroc_diff, positives
 from chexflow.evaluate.record import read_metrics, read_predictions
-from chexflow.fsutil import atomic_path, read_text_regular, write_text_atomic
+from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model
 
 STATISTIC = ("drop = internal AUROC - external AUROC; 95% CI: percentile bootstrap, each test set's patients "
              "resampled independently (the sets share no patient), resample k of the drop = resample k of the "
              "internal set - resample k of the external set")
-
-
-class ExternalInputError(ValueError):
-    """The internal record and the model or the external data do not belong together; names both."""
 
 
 def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metrics: Path,
@@ -130,27 +127,3 @@ def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: li
     with atomic_path(out_dir / "auroc.csv") as tmp:
         pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
 
-
-def read_record(path: Path) -> dict:
-    """An external validation's ``metrics.json`` checked against what ``run`` writes (the report reads it
-    so); anything else fails naming the file and the key."""
-    path = Path(path)
-    try:
-        data = json.loads(read_text_regular(path, what="external validation record"))
-    except FileNotFoundError as exc:
-        raise ExternalInputError(f"external validation record not found: {path}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ExternalInputError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ExternalInputError(f"{path}: top level must be an object")
-    for key, tp in (("dataset", str), ("findings", list), ("mean", dict), ("label_map", dict), ("bootstrap", dict),
-                    ("n_images", int), ("n_patients", int)):
-        if not isinstance(data.get(key), tp):
-            raise ExternalInputError(f"{path}: {key!r} must be a {tp.__name__}, got {data.get(key)!r}")
-    for i, f in enumerate(data["findings"]):
-        if not isinstance(f, dict) or not all(isinstance(f.get(k), dict) for k in ("internal", "external", "drop")):
-            raise ExternalInputError(f"{path}: findings[{i}] must hold 'internal', 'external' and 'drop' objects")
-    for key in ("pairs", "model_only", "data_only"):
-        if not isinstance(data["label_map"].get(key), list):
-            raise ExternalInputError(f"{path}: label_map.{key} must be a list")
-    return data

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO, Iterator
 import pandas as pd
 
 from chexflow.evaluate.comparison_record import ComparisonRecordError, read_comparison
-from chexflow.evaluate.external import ExternalInputError, read_record
+from chexflow.evaluate.external_record import ExternalInputError, read_record
 from chexflow.evaluate.record import MetricsRecordError, PredictionsRecordError, read_metrics, read_predictions
 from chexflow.fsutil import open_regular
 from chexflow.report.errors import ReportInputError
