@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from chexflow import config as C
-from chexflow.data import chexpert, csv_folder, labelmap, nih, registry, shards, tables
+from chexflow.data import chexpert, labelmap, nih, registry, shards, tables
 from chexflow.data.config import ShardConfig, TableSpec
 from chexflow.predict.files import Reader
 from chexflow.settings import ConfigError, from_dict

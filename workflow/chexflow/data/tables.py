@@ -95,12 +95,14 @@ def where(path: Path | str, row: pd.Series, column: str, image_column: str | Non
 
 def refuse_rows(bad: pd.Series, table: pd.DataFrame, path: Path | str, column: str, problem: str,
                 image_column: str | None = None) -> None:
-    """A ``TableError`` naming the first row where ``bad`` holds (and how many more), if any."""
+    """A ``TableError`` naming the first row where ``bad`` holds (and how many more), if any; ``{value!r}``
+    in ``problem`` becomes that row's cell."""
     if not bad.any():
         return
     first = table.loc[bad.idxmax()]
     more = f" (and {int(bad.sum()) - 1} more row(s) like it)" if bad.sum() > 1 else ""
-    raise TableError(f"{where(path, first, column, image_column)}: {problem.format(value=first[column])}{more}")
+    raise TableError(f"{where(path, first, column, image_column)}: {problem.replace('{value!r}', repr(first[column]))}"
+                     f"{more}")
 
 
 # --------------------------------------------------------------------------- observations and the policy
@@ -240,6 +242,7 @@ def read_samples(rows: pd.DataFrame, root: Path | str | None, table: Path | str,
             report(image, f"{origin}: {exc.strerror or exc}")
             continue
         yield image, str(patient), split, target_of(image), data, f"{origin} ({Path(root) / image})"
+
 
 # --------------------------------------------------------------------------- splits
 
