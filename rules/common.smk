@@ -65,8 +65,12 @@ def download_inputs(wildcards):
 
 def source_args(wildcards):
     """The generated demo release has as many archives as demo_release says; real sources are fixed.
-    The download and shard jobs get it from the configuration, never from what is on disk."""
-    return f"--n-archives {n_demo_archives(wildcards.dataset)}" if wildcards.dataset in DEMO_RELEASES else ""
+    The download and shard jobs get it from the configuration, never from what is on disk. A
+    CSV-described dataset's source is its declaration (datasets.<name>), handed to both as well."""
+    if wildcards.dataset in DEMO_RELEASES:
+        return f"--n-archives {n_demo_archives(wildcards.dataset)}"
+    table = STUDY.tables.get(wildcards.dataset)
+    return f"--table-json {shlex.quote(json.dumps(dataclasses.asdict(table)))}" if table else ""
 
 
 def download_mirror(wildcards):
@@ -75,12 +79,6 @@ def download_mirror(wildcards):
     if wildcards.dataset in STUDY.tables:  # a CSV-described folder: its table's folder
         return _registry.get(wildcards.dataset).mirror()
     return config["datasets"].get(wildcards.dataset, {}).get("mirror") or ""
-
-
-def table_arg(wildcards):
-    """`--table-json`: a CSV-described dataset's declaration, for the download of its table."""
-    table = STUDY.tables.get(wildcards.dataset)
-    return f"--table-json {shlex.quote(json.dumps(dataclasses.asdict(table)))}" if table else ""
 
 
 def shard_config_json(wildcards):

@@ -37,9 +37,8 @@ rule download_file:
     params:
         mirror=download_mirror,
         source_args=source_args,
-        table=table_arg,
         dest=output_dir,
     shell:
         "chexflow download --dataset {wildcards.dataset} --file {wildcards.file:q}"
         " --dest {params.dest} --mirror {params.mirror:q}"
-        " {params.source_args} {params.table} > {log} 2>&1"
+        " {params.source_args} > {log} 2>&1"

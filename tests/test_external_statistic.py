@@ -1,10 +1,11 @@
 """The external validation's statistic (``metrics.independent_bootstrap_auroc_diff``): the AUROC drop
 between two test sets that share no patient, each resampled by patient on its own. Checked against
 cases worked out on paper, against each set's own bootstrap, and against scipy's bootstrap of two
-independent samples."""
+independent samples. And unknown labels (NaN) through every statistic of the evaluation."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from scipy import stats
 from sklearn.metrics import roc_auc_score
@@ -110,3 +111,39 @@ def test_a_finding_undefined_on_one_side_has_no_drop():
     e = out["labels"]["F"]
     assert e["a"] == 1.0 and e["b"] is None and e["diff"] is None and e["ci"] is None and e["n_resamples_used"] == 0
     assert out["mean"] == {"labels": [], "n_resamples_used": 0, "a": None, "b": None, "ci": None, "diff": None}
+
+
+def test_every_statistic_of_the_evaluation_counts_known_labels_only():
+    """Unknown labels (NaN: an uncertain one under U-Ignore) through the evaluation's other statistics: a
+    finding's AUROC, CI, calibration and PR curve are those of its known rows; a subgroup counts known
+    positives and negatives; underdiagnosis counts an image as having a finding only on a known positive."""
+    from chexflow.evaluate import metrics, subgroups, underdiagnosis
+    rng = np.random.default_rng(1)
+    n = 80
+    y = rng.integers(0, 2, (n, 2)).astype(float)
+    s = np.clip(rng.random((n, 2)) * 0.8 + y * 0.3, 0, 1)
+    y[rng.random((n, 2)) < 0.25] = np.nan
+    patients = np.array([f"p{i // 2}" for i in range(n)])
+    labels = ["A", "B"]
+    boot = bootstrap_auroc(y, s, patients, labels, n_resamples=100, seed=0)
+    for j, lab in enumerate(labels):
+        known = ~np.isnan(y[:, j])
+        assert boot["labels"][lab]["auroc"] == pytest.approx(roc_auc_score(y[known, j], s[known, j]))
+        assert metrics.calibration(y[:, j], s[:, j]) == metrics.calibration(y[known, j], s[known, j])
+        assert metrics.precision_recall(y[:, j], s[:, j]) == metrics.precision_recall(y[known, j], s[known, j])
+    fields = pd.DataFrame({"sex": ["male", "female"] * (n // 2), "age_band": ["40-59"] * n, "view": ["PA"] * n})
+    groups = subgroups.subgroup_aurocs(y, s, patients, labels, fields, age_edges=(18, 40, 60, 80), min_count=3,
+                                       n_resamples=50, seed=0)
+    male = next(g for g in groups if g["group"] == "male")
+    sel = fields["sex"].to_numpy() == "male"
+    for j, lab in enumerate(labels):
+        ys, ss = y[sel, j], s[sel, j]
+        known = ~np.isnan(ys)
+        e = male["labels"][lab]
+        assert (e["n_pos"], e["n_neg"]) == ((ys == 1).sum(), (ys == 0).sum())
+        assert e["auroc"] == pytest.approx(roc_auc_score(ys[known], ss[known]))
+    audit = underdiagnosis.audit(y, s, patients, labels, {"A": 0.5, "B": 0.5}, None, age_edges=(18, 40, 60, 80),
+                                 min_count=3, n_resamples=50, seed=0)
+    has = (y == 1).any(axis=1)
+    missed = (s < 0.5).all(axis=1)
+    assert audit["overall"]["image"]["n"] == has.sum() and audit["overall"]["image"]["missed"] == (has & missed).sum()

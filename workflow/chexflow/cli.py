@@ -86,6 +86,8 @@ def cmd_split(args) -> None:
 def cmd_shards(args) -> None:
     from chexflow.data import shards
     cfg = _load_shards(args)
+    if cfg.table is None and args.table_json is not None:
+        _declared(cfg.dataset, load_stage_config(TableSpec, text=args.table_json))
     m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, n_archives=args.n_archives,
                           progress=True)
     print(f"{cfg.dataset}/{args.part}: {len(m['shards'])} shards, "
@@ -303,6 +305,8 @@ def _data_commands(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="directory of this part's shards")
     p.add_argument("--n-archives", type=int, default=None,
                    help="a generated release (nih_demo*): its number of archives, as configured")
+    p.add_argument("--table-json", default=None,
+                   help="a CSV-described dataset: its declaration as JSON (--config-json's table, where set, wins)")
     p.set_defaults(func=cmd_shards)
 
     p = sub.add_parser("gather", help="combine part manifests into the dataset manifest")
