@@ -148,6 +148,11 @@ def test_missing_column_and_unreadable_table(tmp_path):
     (tmp_path / "train.csv").write_bytes(b"Path,Sex\n\xff\xfe,\n")
     with pytest.raises(tables.TableError, match="cannot read the CheXpert train as CSV"):
         chexpert.read(tmp_path / "train.csv", "train")
+    # a record with a field too many or too few: pandas would shift or pad its cells
+    for line in ("a,b,c", "a"):
+        (tmp_path / "t.csv").write_text(f"x,y\n1,2\n\n{line}\n")
+        with pytest.raises(tables.TableError, match=r"t.csv: line 4: \d fields, but the header names 2"):
+            tables.read_table(tmp_path / "t.csv", ["x"])
 
 
 # --------------------------------------------------------------------------- images under the folder
@@ -190,6 +195,9 @@ def test_image_files_inside_the_folder_only(tmp_path):
     assert rejects["train/patient00003/study1/view1_frontal.jpg"].startswith(f"{raw_csv}: line 4: No such file")
     assert "not a PNG or JPEG" in rejects["train/patient00004/study1/view1_frontal.jpg"]
     assert "1.2 MP, more than the 1 MP allowed" in rejects["train/patient00005/study1/view1_frontal.jpg"]
+    size = (root / "train/patient00001/study1/view1_frontal.jpg").stat().st_size
+    with pytest.raises(OSError, match=rf"{size / 1e6:g} MB, more than max_member_mb \(1e-05 MB\); not read"):
+        tables.image_file(root, "train/patient00001/study1/view1_frontal.jpg", 10)     # a file too large
     # with the default bound the first reject stops the part, naming the image and its line
     with pytest.raises(shards.ShardError, match="patient00002"):
         shards.write_part("chexpert", "train_001", raw, tmp_path / "s/splits.csv", tmp_path / "s/part2",

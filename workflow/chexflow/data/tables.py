@@ -51,17 +51,18 @@ class TableError(ValueError):
 
 # --------------------------------------------------------------------------- reading a table
 
-def record_lines(data: bytes) -> list[int]:
-    """The line (1-based; the header is line 1) each record after the header starts on, blank lines
-    skipped as pandas skips them (a quoted field may span lines)."""
+def record_lines(data: bytes) -> tuple[int, list[tuple[int, int]]]:
+    """The header's number of fields, and (line, number of fields) of each record after it: the line
+    (1-based; the header is line 1) it starts on, blank lines skipped as pandas skips them (a quoted
+    field may span lines)."""
     reader = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
-    next(reader, None)
+    header = next(reader, [])
     out, start = [], reader.line_num + 1
     for record in reader:
         if record:
-            out.append(start)
+            out.append((start, len(record)))
         start = reader.line_num + 1
-    return out
+    return len(header), out
 
 
 def read_table(path: Path | str, required: Sequence[str], *, what: str = "label table") -> pd.DataFrame:
@@ -72,8 +73,12 @@ def read_table(path: Path | str, required: Sequence[str], *, what: str = "label 
         raise FileNotFoundError(f"{path}: {what} not found")
     data = read_regular(path, max_bytes=MAX_TABLE_BYTES, what=what)
     try:
-        raw = pd.read_csv(io.BytesIO(data), dtype=str, keep_default_na=False, na_filter=False)
-        lines = record_lines(data)
+        width, lines = record_lines(data)
+        wrong = [(line, n) for line, n in lines if n != width]
+        if wrong:      # pandas would shift or pad such a row's cells, or stop without the line
+            raise TableError(f"{path}: line {wrong[0][0]}: {wrong[0][1]} fields, but the header names {width} "
+                             f"({len(wrong)} such record(s))")
+        raw = pd.read_csv(io.BytesIO(data), dtype=str, keep_default_na=False, na_filter=False, index_col=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, csv.Error, zlib.error) as exc:
         raise TableError(f"{path}: cannot read the {what} as CSV ({' '.join(str(exc).split())})") from exc
     raw.columns = [str(c).strip() for c in raw.columns]
@@ -83,7 +88,7 @@ def read_table(path: Path | str, required: Sequence[str], *, what: str = "label 
     if len(lines) != len(raw):
         raise TableError(f"{path}: {len(raw)} rows but {len(lines)} records (a stray quote?)")
     raw = raw.apply(lambda col: col.str.strip())
-    raw["_line"] = lines
+    raw["_line"] = [line for line, _ in lines]
     return raw
 
 
@@ -214,7 +219,7 @@ def image_file(root: Path | str, rel: str, max_bytes: int) -> bytes:
         raise NotRegularFile(path, f"a symbolic link out of the image folder {root} (to {real})")
     size = check_regular(path).st_size
     if size > max_bytes:
-        raise NotRegularFile(path, f"{size / 1e6:.1f} MB, more than max_member_mb ({max_bytes / 1e6:g} MB); not read")
+        raise NotRegularFile(path, f"{size / 1e6:g} MB, more than max_member_mb ({max_bytes / 1e6:g} MB); not read")
     return read_regular(path, max_bytes=max_bytes, what="image")
 
 
