@@ -152,11 +152,13 @@ def test_external_validation_record(run):
         np.testing.assert_array_equal(pred[ours].to_numpy(), truth)
         known = ~np.isnan(truth)
         ext = f["external"]
-        assert (ext["n_pos"], ext["n_neg"], ext["n_unknown"]) == ((truth == 1).sum(), (truth == 0).sum(), (~known).sum())
+        assert (ext["n_pos"], ext["n_neg"], ext["n_unknown"]) == \
+            ((truth == 1).sum(), (truth == 0).sum(), (~known).sum())
         both = np.unique(truth[known]).size == 2
         assert (ext["auroc"] is not None) == both
         if both:
-            assert ext["auroc"] == pytest.approx(roc_auc_score(truth[known], pred.loc[known, f"{ours}_score"]), abs=1e-5)
+            want = roc_auc_score(truth[known], pred.loc[known, f"{ours}_score"])
+            assert ext["auroc"] == pytest.approx(want, abs=1e-5)
         # the internal side: the internal evaluation's AUROC and CI (the same resamples)
         assert f["internal"]["auroc"] == internal["labels"][ours]["auroc"]
         assert f["internal"]["ci"] == internal["labels"][ours]["ci"]
@@ -203,5 +205,6 @@ def test_docs_example_nih_then_external_validation_on_chexpert_plans(tmp_path):
     assert dry.returncode == 0, dry.stderr[-3000:]
     jobs = job_counts(dry.stdout)
     assert jobs["evaluate_external"] == 1 and jobs["render_report"] == 1
-    assert "data/raw/chexpert/train.csv" in dry.stdout and "data/shards/chexpert/parts/valid/manifest.json" in dry.stdout
+    assert "data/raw/chexpert/train.csv" in dry.stdout
+    assert "data/shards/chexpert/parts/valid/manifest.json" in dry.stdout
     assert "results/external/chexpert/metrics.json" in dry.stdout

@@ -243,7 +243,8 @@ def test_csv_folder_reads_png_jpeg_and_dicom_as_predict_does(tmp_path):
 
 @pytest.mark.parametrize("edit, problem", [
     (lambda rows: rows[1].update(subset="val") or rows.append({**rows[1], "file": "site2/x.png", "subset": "test"}),
-     r"patient 'B0001' is in more than one split: line 3 \(site one/p001.jpg\) in val; line \d+ \(site2/x.png\) in test"),
+     r"patient 'B0001' is in more than one split: line 3 \(site one/p001.jpg\) in val; "
+     r"line \d+ \(site2/x.png\) in test"),
     (lambda rows: rows[2].update(subset="holdout"), r"line 4 \(site2/p002.dcm\), column 'subset': 'holdout' is not one "
                                                     r"of \['train', 'val', 'test'\]"),
     (lambda rows: rows[2].update(projection=""), r"line 4 \(site2/p002.dcm\), column 'projection': '' is no view"),
@@ -345,5 +346,6 @@ def test_external_validation_checked_before_any_job(tmp_path):
     cfg["datasets"]["chexpert"]["mirror"] = None
     cfg["shards"]["chexpert"]["views"] = "frontal"
     cfg["evaluate"]["external"] = ["chexpert"]
-    with pytest.raises(ConfigError, match="datasets.chexpert.mirror: chexpert's images are read from its folder: set it"):
+    with pytest.raises(ConfigError, match="datasets.chexpert.mirror: chexpert's images are read from its folder: "
+                                          "set it"):
         C.check_study(cfg)

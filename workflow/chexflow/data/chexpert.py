@@ -55,8 +55,9 @@ _HOW = ("CheXpert is distributed by the Stanford AIMI Center after registration 
 def read(path: Path | str, table: str) -> pd.DataFrame:
     """One of the two tables, checked: every column of the release, each row's path in the release's
     layout under ``table``/ (the patient and view taken from it, ``Frontal/Lateral`` agreeing), every
-    observation (``No Finding`` included) 1, 0, -1 or blank. Adds ``image`` (the path under the release folder), ``patient``,
-    ``sex``, ``age``, ``view`` (PA / AP / lateral / "" unknown) and ``_line``."""
+    observation (``No Finding`` included) 1, 0, -1 or blank. Adds ``image`` (the path under the
+    release folder), ``patient``, ``sex``, ``age``, ``view`` (PA / AP / lateral / "" unknown) and
+    ``_line``."""
     t = tables.read_table(path, COLUMNS, what=f"CheXpert {table}")
     t["image"] = t["Path"].map(_strip_release_folder)
     tables.refuse_paths(t.assign(Path=t["image"]), "Path", path)
