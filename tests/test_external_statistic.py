@@ -102,6 +102,17 @@ def test_matches_scipy_bootstrap_of_two_independent_samples():
     width = ours["ci"][1] - ours["ci"][0]
     wa, wb = (np.diff(ours[k])[0] for k in ("a_ci", "b_ci"))
     assert width == pytest.approx(np.hypot(wa, wb), rel=0.15)
+    # Zech et al. compared the two AUCs with DeLong's unpaired test: its variance of the difference is the
+    # sum of each AUC's DeLong variance; with one image per patient the bootstrap's CI has its width
+    assert width == pytest.approx(2 * stats.norm.ppf(0.975) * np.sqrt(_delong_var(ya, sa) + _delong_var(yb, sb)),
+                                  rel=0.15)
+
+
+def _delong_var(y: np.ndarray, s: np.ndarray) -> float:
+    """DeLong et al. (1988): the variance of one AUC from its structural components."""
+    pos, neg = s[y == 1], s[y == 0]
+    psi = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
+    return psi.mean(axis=1).var(ddof=1) / pos.size + psi.mean(axis=0).var(ddof=1) / neg.size
 
 
 def test_a_finding_undefined_on_one_side_has_no_drop():
