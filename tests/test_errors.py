@@ -172,8 +172,8 @@ def test_configuration_error(tmp_path):
 
 
 def test_unknown_dataset(tmp_path):
-    proc = chexflow_cli("download", "--dataset", "chexpert", "--file", "x", "--dest", str(tmp_path))
-    assert refused(proc, 2) == (f"chexflow download: unknown dataset 'chexpert'; known datasets: "
+    proc = chexflow_cli("download", "--dataset", "mimic", "--file", "x", "--dest", str(tmp_path))
+    assert refused(proc, 2) == (f"chexflow download: unknown dataset 'mimic'; known datasets: "
                                 f"{', '.join(registry.NAMES)}" + todo("UnknownSourceError"))
 
 
