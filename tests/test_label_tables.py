@@ -22,6 +22,13 @@ from folder_datasets import CSV_COLUMNS, jpeg, make_csv_folder, png, write_csv
 FINDINGS = list(chexpert.LABELS)
 
 
+@pytest.fixture(autouse=True)
+def _no_declared_dataset_left():
+    """A dataset declared by a test is undeclared after it (the registry is the process's)."""
+    yield
+    registry.declare({})
+
+
 def _row(path: str, view: str = "Frontal", appa: str = "PA", sex: str = "Female", age: str = "50", **obs) -> dict:
     return {"Path": f"CheXpert-v1.0-small/{path}", "Sex": sex, "Age": age, "Frontal/Lateral": view, "AP/PA": appa,
             chexpert.NO_FINDING: "", **{f: obs.get(f.replace(" ", "_"), "") for f in FINDINGS}}
