@@ -1,4 +1,5 @@
 # Path helpers and wildcard lists for the rules (no logic beyond naming things).
+import dataclasses
 import json
 import os
 import shlex
@@ -6,7 +7,7 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 
-from chexflow.config import resolved_config, stage_settings
+from chexflow.config import folder_settings, resolved_config, stage_settings
 from chexflow.data import registry as _registry  # cheap: no torch/webdataset at DAG time
 from chexflow.studies import ablation as _ablation
 from chexflow.studies import sweep as _sweep
@@ -64,18 +65,26 @@ def download_inputs(wildcards):
 
 def source_args(wildcards):
     """The generated demo release has as many archives as demo_release says; real sources are fixed.
-    The download and shard jobs get it from the configuration, never from what is on disk."""
-    return f"--n-archives {n_demo_archives(wildcards.dataset)}" if wildcards.dataset in DEMO_RELEASES else ""
+    The download and shard jobs get it from the configuration, never from what is on disk. A
+    CSV-described dataset's source is its declaration (datasets.<name>), handed to both as well."""
+    if wildcards.dataset in DEMO_RELEASES:
+        return f"--n-archives {n_demo_archives(wildcards.dataset)}"
+    table = STUDY.tables.get(wildcards.dataset)
+    return f"--table-json {shlex.quote(json.dumps(dataclasses.asdict(table)))}" if table else ""
 
 
 def download_mirror(wildcards):
     if wildcards.dataset in DEMO_RELEASES:
         return demo_dir(wildcards.dataset)
+    if wildcards.dataset in STUDY.tables:  # a CSV-described folder: its table's folder
+        return _registry.get(wildcards.dataset).mirror()
     return config["datasets"].get(wildcards.dataset, {}).get("mirror") or ""
 
 
 def shard_config_json(wildcards):
-    return json.dumps({**config["shards"][wildcards.dataset], "dataset": wildcards.dataset})
+    """shards.<dataset>, plus what the workflow sets for a folder dataset (its images, a CSV's declaration)."""
+    ds = wildcards.dataset
+    return json.dumps({**config["shards"][ds], "dataset": ds, **folder_settings(STUDY, ds)})
 
 
 def gather_settings(dataset):
@@ -84,7 +93,7 @@ def gather_settings(dataset):
     archives = pilot_archives(dataset)
     has_pilot = "archives" in _registry.get(dataset).source_options()
     pilot = {"archives": None if archives is None else sorted(archives)} if has_pilot else {}
-    return {**config["shards"][dataset], "dataset": dataset, **pilot}
+    return {**config["shards"][dataset], "dataset": dataset, **pilot, **folder_settings(STUDY, dataset)}
 
 
 def gather_config_json(wildcards):
@@ -130,7 +139,9 @@ def output_dir(wildcards, output):
 
 
 def stage_json(section):
-    return json.dumps(config[section])
+    """A section for its stage's command; evaluate.external is the workflow's (which evaluate_external
+    jobs exist), not the evaluation's: left out, a change of it does not redo the evaluation."""
+    return json.dumps({k: v for k, v in config[section].items() if (section, k) != ("evaluate", "external")})
 
 
 # ------------------------------------------------------------------ optional studies (config)
@@ -300,7 +311,10 @@ def evaluation_inputs(wildcards):
     ds = FINETUNE_DATASET
     source = STUDY.sources.get(ds)
     files = _registry.get(ds).evaluation_files(source_of(ds), boxes=source.boxes if source else True)
-    return {**finetune_inputs(wildcards), **{k: f"data/raw/{ds}/{f.name}" for k, f in files.items()}}
+    files = {k: f"data/raw/{ds}/{f.name}" for k, f in files.items()}
+    if _registry.get(ds).folder:  # a folder dataset's split table holds the subgroups' fields
+        files["label_table"] = f"data/shards/{ds}/splits.csv"
+    return {**finetune_inputs(wildcards), **files}
 
 
 def box_frame(dataset):
@@ -318,6 +332,20 @@ def evaluation_args(wildcards, input):
     return " ".join(args)
 
 
+# ------------------------------------------------------------------ external validation
+def external_dir(dataset):
+    return f"results/external/{dataset}"
+
+
+def external_manifest(wildcards):
+    return manifest(wildcards.dataset)
+
+
+def external_targets():
+    """evaluate_external's records of the datasets evaluate.external names."""
+    return {ds: f"{external_dir(ds)}/metrics.json" for ds in STUDY.evaluate.external}
+
+
 # ------------------------------------------------------------------ the report's inputs: one structure
 def report_input_tree():
     """Everything the report reads, as one structure of paths (`chexflow report --inputs-json`): the
@@ -330,6 +358,10 @@ def report_input_tree():
         "manifests": {"pretrain": manifest(PRETRAIN_DATASET), "finetune": manifest(FINETUNE_DATASET)},
         "benchmarks": {stage: job.benchmark for stage, job in main.items()},
     }
+    for ds, metrics in external_targets().items():  # each external test set: its record and its data
+        tree.setdefault("external", {})[ds] = metrics
+        tree["manifests"][f"external_{ds}"] = manifest(ds)
+        tree["benchmarks"][f"external_{ds}"] = f"benchmarks/external/{ds}.tsv"
     runs = [r for r in ablation_runs() if not r.is_main]
     for r in runs:  # the ablation's jobs count in the stage times too
         tree["benchmarks"][
@@ -379,6 +411,7 @@ def kept_files():
     `--forcerun` leaves exactly that) would never run again. As targets, a missing one is made again,
     and what depends on it after it; downloads (data/raw) only when a job that reads them runs."""
     parts = dataset_part_manifests(PRETRAIN_DATASET) + dataset_part_manifests(FINETUNE_DATASET)
+    parts += [m for ds in STUDY.evaluate.external for m in dataset_part_manifests(ds)]
     scaling = scaling_points() if study_enabled("scaling") else []
     sweep = sweep_results() if study_enabled("sweep") else []
     ablation = [path for _, path in _leaves(ablation_run_tree())]

@@ -39,3 +39,32 @@ rule evaluate_model:
         "chexflow evaluate --config-json {params.cfg:q} --model {input.model}"
         " --manifest {input.manifest} --train-config-json {params.train:q} {params.pretrained}"
         " {params.trials} --out-dir {params.out_dir} {params.extra} > {log} 2>&1"
+
+
+# External validation (evaluate.external): the evaluated model on another dataset's test split, for the
+# findings both share (chexflow.data.labelmap), beside the internal test: AUROC per finding with its patient
+# bootstrap CI on each test set, and the drop with a CI from independent bootstraps of the two (they share no
+# patient). The model must be the one the internal record was made with (its run id).
+rule evaluate_external:
+    input:
+        model=rules.evaluate_model.output.model,
+        metrics=rules.evaluate_model.output.metrics,
+        predictions=rules.evaluate_model.output.predictions,
+        manifest=external_manifest,
+    output:
+        metrics="results/external/{dataset}/metrics.json",
+        predictions="results/external/{dataset}/predictions.csv",
+        auroc=report("results/external/{dataset}/auroc.csv", caption="../report/external.rst", category="Evaluation"),
+    log:
+        "logs/external/{dataset}.log",
+    benchmark:
+        "benchmarks/external/{dataset}.tsv"
+    conda:
+        "../envs/train.yaml"
+    params:
+        cfg=stage_json("evaluate"),
+        out_dir=output_dir,
+    shell:
+        "chexflow evaluate-external --config-json {params.cfg:q} --model {input.model}"
+        " --manifest {input.manifest} --internal-metrics {input.metrics}"
+        " --internal-predictions {input.predictions} --out-dir {params.out_dir} > {log} 2>&1"

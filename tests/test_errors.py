@@ -247,13 +247,13 @@ def test_configuration_error(tmp_path):
                         "--out", str(tmp_path / "s.csv"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines[0].startswith("chexflow split: config: bogus: unknown key; known: archives, dataset, ")
+    assert lines[0].startswith("chexflow split: config: bogus: unknown key; known: archives, blank, dataset, ")
     assert lines[1] == "chexflow split: config: val_fraction: 2.5 is not in [0, 1)" + todo("ConfigError")
 
 
 def test_unknown_dataset(tmp_path):
-    proc = chexflow_cli("download", "--dataset", "chexpert", "--file", "x", "--dest", str(tmp_path))
-    assert refused(proc, 2) == (f"chexflow download: unknown dataset 'chexpert'; known datasets: "
+    proc = chexflow_cli("download", "--dataset", "mimic", "--file", "x", "--dest", str(tmp_path))
+    assert refused(proc, 2) == (f"chexflow download: unknown dataset 'mimic'; known datasets: "
                                 f"{', '.join(registry.NAMES)}" + todo("UnknownSourceError"))
 
 

@@ -25,12 +25,15 @@ def test_config_schema_datasets_are_the_registry():
     schema = C.study_schema()
     # a downloaded dataset has a datasets: entry (its mirror), a generated release its own section
     downloaded = [n for n, d in registry.DATASETS.items() if not d.generated]
-    assert list(schema["properties"]["datasets"]["properties"]) == downloaded == ["fashion_mnist", "nih", "imagenet"]
+    assert list(schema["properties"]["datasets"]["properties"]) == downloaded == ["fashion_mnist", "nih", "imagenet",
+                                                                                  "chexpert"]
     assert {"demo_release", "demo_pretrain_release"} <= set(schema["properties"])
     assert list(schema["properties"]["shards"]["properties"]) == list(registry.NAMES)
     study = schema["properties"]["study"]["properties"]
-    assert study["pretrain_dataset"]["enum"] == ["fashion_mnist", "nih_demo_pretrain", "imagenet"]
-    assert study["finetune_dataset"]["enum"] == ["nih_demo", "nih"]
+    assert study["pretrain_dataset"]["anyOf"] == [{"enum": ["fashion_mnist", "nih_demo_pretrain", "imagenet"]}]
+    # fine-tuning: the known datasets, or a CSV-described folder declared under datasets: (any other name)
+    assert study["finetune_dataset"]["anyOf"][0]["enum"] == ["nih_demo", "nih", "chexpert"]
+    assert study["finetune_dataset"]["anyOf"][1]["pattern"] == "^[A-Za-z][A-Za-z0-9_]*$"
     # dataset-specific keys come from the adapters: the NIH pilot subset, ImageNet's train parts
     assert "archives" in schema["properties"]["datasets"]["properties"]["nih"]["properties"]
     shard_keys = {n: set(s["properties"]) for n, s in schema["properties"]["shards"]["properties"].items()}
@@ -38,8 +41,9 @@ def test_config_schema_datasets_are_the_registry():
 
 
 def test_unknown_dataset_names_the_known_ones():
-    with pytest.raises(sources.UnknownSourceError, match="known datasets: fashion_mnist, nih_demo, nih_demo_pretrain, nih, imagenet"):
-        registry.get("chexpert")
+    with pytest.raises(sources.UnknownSourceError, match="known datasets: fashion_mnist, nih_demo, nih_demo_pretrain, "
+                                                         "nih, imagenet, chexpert"):
+        registry.get("mimic")
 
 
 @pytest.mark.parametrize("name", registry.NAMES)
@@ -52,7 +56,8 @@ def test_every_part_and_split_reads_files_of_its_source(name):
     for part in parts:
         files = adapter.part_files(src, part)
         assert files and all(f in src.files for f in files), part
-        assert [f.role for f in files].count("archive") == 1, part   # one image archive per shard job
+        # one image archive per shard job; a folder dataset's jobs read its label table (the images: its folder)
+        assert [f.role for f in files].count("archive" if not adapter.folder else "labels") == 1, part
     split = adapter.split_files(src)
     assert split and all(f in src.files and f.role in adapter.split_roles for f in split)
 
@@ -112,7 +117,7 @@ def test_a_new_dataset_is_one_adapter_and_one_registry_entry(monkeypatch):
     monkeypatch.setitem(registry.DATASETS, "toy", _Toy())
     monkeypatch.setattr(registry, "NAMES", tuple(registry.DATASETS))
     schema = C.study_schema()
-    assert "toy" in schema["properties"]["study"]["properties"]["finetune_dataset"]["enum"]
+    assert "toy" in schema["properties"]["study"]["properties"]["finetune_dataset"]["anyOf"][0]["enum"]
     for section in ("datasets", "shards"):
         assert "toy" in schema["properties"][section]["properties"]
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from chexflow import errors
-from chexflow.data.config import DemoReleaseConfig, ShardConfig
+from chexflow.data.config import DemoReleaseConfig, ShardConfig, TableSpec
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.predict.config import ExportConfig, PredictConfig
 from chexflow.settings import ConfigError, from_dict, load_stage_config
@@ -51,8 +51,23 @@ def cmd_make_demo_release(args) -> None:
     print(info)
 
 
+def _declared(dataset: str, table: TableSpec | None) -> None:
+    """A CSV-described dataset's adapter, from the declaration the rule hands the command."""
+    if table is not None:
+        from chexflow.data import registry
+        registry.declare({dataset: table})
+
+
+def _load_shards(args) -> ShardConfig:
+    cfg = _load(ShardConfig, args)
+    _declared(cfg.dataset, cfg.table)
+    return cfg
+
+
 def cmd_download(args) -> None:
     from chexflow.data import download, registry, sources
+    if args.table_json is not None:
+        _declared(args.dataset, load_stage_config(TableSpec, text=args.table_json))
     src = registry.get_source(args.dataset, n_archives=args.n_archives)
     src = sources.with_test_pins(src, registry.load_test_registry())   # tests only: see sources.py
     download.fetch_source_file(src, args.file, args.dest, args.mirror or None, progress=True)
@@ -60,7 +75,7 @@ def cmd_download(args) -> None:
 
 def cmd_split(args) -> None:
     from chexflow.data import nih, registry, shards, sources
-    cfg = _load(ShardConfig, args)
+    cfg = _load_shards(args)
     content = sources.registry_content(registry.load_test_registry(), cfg.dataset)   # tests only
     df = shards.split_dataset(cfg.dataset, args.raw, cfg, args.out,
                               expected=nih.ReleaseCounts(**content) if content else None)
@@ -70,7 +85,9 @@ def cmd_split(args) -> None:
 
 def cmd_shards(args) -> None:
     from chexflow.data import shards
-    cfg = _load(ShardConfig, args)
+    cfg = _load_shards(args)
+    if cfg.table is None and args.table_json is not None:
+        _declared(cfg.dataset, load_stage_config(TableSpec, text=args.table_json))
     m = shards.write_part(cfg.dataset, args.part, args.raw, args.splits, args.out, cfg, n_archives=args.n_archives,
                           progress=True)
     print(f"{cfg.dataset}/{args.part}: {len(m['shards'])} shards, "
@@ -79,7 +96,7 @@ def cmd_shards(args) -> None:
 
 def cmd_gather(args) -> None:
     from chexflow.data import shards
-    cfg = _load(ShardConfig, args)
+    cfg = _load_shards(args)
     m = shards.gather(cfg.dataset, args.parts, args.out, cfg, splits_csv=args.splits)
     for split, s in m["splits"].items():
         listed = f" of {s['n_listed']} listed" if "n_listed" in s else ""
@@ -143,6 +160,20 @@ def cmd_evaluate(args) -> None:
               expect_run_ids=_expected_run_ids(args), label_table=args.label_table, boxes=args.boxes,
               box_frame=args.box_frame, heatmaps=not args.no_heatmaps)
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
+
+
+def cmd_evaluate_external(args) -> None:
+    from chexflow.evaluate.external import run
+    cfg = _load(EvaluateConfig, args)
+    res = run(cfg, model_path=args.model, manifest=args.manifest, internal_metrics=args.internal_metrics,
+              internal_predictions=args.internal_predictions, out_dir=args.out_dir)
+    for f in res["findings"]:
+        ci = f["drop"]["ci"]
+        drop = "undefined" if f["drop"]["diff"] is None else f"{f['drop']['diff']:+.4f}" + (
+            f" (95% CI {ci[0]:+.4f} to {ci[1]:+.4f})" if ci else " (no CI)")
+        print(f"{f['finding']} = {res['dataset']} {f['external_label']}: drop {drop}")
+    print(f"findings without a match: model {res['label_map']['model_only']}, {res['dataset']} "
+          f"{res['label_map']['data_only']}")
 
 
 def cmd_predict(args) -> None:
@@ -269,6 +300,8 @@ def _data_commands(sub) -> None:
     p.add_argument("--dest", type=Path, required=True, help="directory (data/raw/<dataset>)")
     p.add_argument("--mirror", default=None, help="directory, file:// or http(s) base URL")
     p.add_argument("--n-archives", type=int, default=None, help="nih_demo: number of archives of the generated release")
+    p.add_argument("--table-json", default=None,
+                   help="a CSV-described dataset: its declaration (datasets.<name>) as JSON")
     p.set_defaults(func=cmd_download)
 
     p = sub.add_parser("split", help="patient-wise train/val/test assignment")
@@ -285,6 +318,8 @@ def _data_commands(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="directory of this part's shards")
     p.add_argument("--n-archives", type=int, default=None,
                    help="a generated release (nih_demo*): its number of archives, as configured")
+    p.add_argument("--table-json", default=None,
+                   help="a CSV-described dataset: its declaration as JSON (--config-json's table, where set, wins)")
     p.set_defaults(func=cmd_shards)
 
     p = sub.add_parser("gather", help="combine part manifests into the dataset manifest")
@@ -338,6 +373,16 @@ def _model_commands(sub) -> None:
     p.add_argument("--box-frame", type=int, default=None, help="side (px) of the images the boxes refer to")
     p.add_argument("--no-heatmaps", action="store_true", help="no Grad-CAM (the ablation's runs)")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("evaluate-external", help="the evaluated model on another dataset's test split, beside the "
+                                                 "internal test (external validation)")
+    _add_config(p)
+    p.add_argument("--model", type=Path, required=True, help="the evaluation's model.pt")
+    p.add_argument("--manifest", type=Path, required=True, help="the external dataset's manifest")
+    p.add_argument("--internal-metrics", type=Path, required=True, help="the evaluation's metrics.json")
+    p.add_argument("--internal-predictions", type=Path, required=True, help="the evaluation's predictions.csv")
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.set_defaults(func=cmd_evaluate_external)
 
     p = sub.add_parser("predict", help="the fine-tuned model on PNG/JPEG/DICOM files: one CSV row per file")
     _add_config(p)

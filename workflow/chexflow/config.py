@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from chexflow.data import registry
-from chexflow.data.config import DemoReleaseConfig, ShardConfig, SourceConfig
+from chexflow.data import csv_folder, labelmap, registry
+from chexflow.data.config import DemoReleaseConfig, ShardConfig, SourceConfig, TableSpec
 from chexflow.data.dataset import ShardError
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.predict.config import ExportConfig, PredictConfig
@@ -45,10 +45,12 @@ class ContainerConfig:
 STUDY_SECTIONS = {"container": ContainerConfig, "evaluate": EvaluateConfig, "scaling": ScalingConfig,
                   "sweep": SweepConfig, "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
 REQUIRED = ("study", "shards", "pretrain", "finetune")
-# ShardConfig fields the workflow sets: the dataset (the section's name) and a pilot subset of the
-# archives (datasets.<name>.archives); a dataset's own keys (train_parts, ...) only where its adapter has
-# them (shard_options)
-_SHARD_SET_BY_WORKFLOW = ("dataset", "archives")
+# ShardConfig fields the workflow sets: the dataset (the section's name), a pilot subset of the
+# archives (datasets.<name>.archives), a folder dataset's image folder and a CSV dataset's declaration
+# (datasets.<name>); a dataset's own keys (train_parts, ...) only where its adapter has them (shard_options)
+_SHARD_SET_BY_WORKFLOW = ("dataset", "archives", "images", "table")
+# a CSV-described dataset's name: a Snakemake wildcard value and a folder name
+CSV_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Study:
     finetune_dataset: str
     container: ContainerConfig
     sources: dict[str, SourceConfig]          # datasets.<name> (downloaded datasets)
+    tables: dict[str, TableSpec]              # datasets.<name> of CSV-described folders (format: csv)
     releases: dict[str, DemoReleaseConfig]    # generated datasets: their release section
     shards: dict[str, ShardConfig]            # shards.<name>, with the dataset and a pilot subset set
     train: dict[str, TrainConfig]             # pretrain, finetune: resolved from training + the stage
@@ -160,7 +163,7 @@ def _drop(section: Mapping[str, Any], excluded: tuple[str, ...]) -> dict:
 
 def _why_shard(dotted: str) -> str:
     if dotted in _SHARD_SET_BY_WORKFLOW:
-        return "set by the workflow: the section's name, datasets.<name>.archives"
+        return "set by the workflow: the section's name, datasets.<name> (archives, mirror, images, the table)"
     return "not a setting of this dataset"
 
 
@@ -175,9 +178,9 @@ def _why_stage(dotted: str) -> str:
 
 
 def shard_keys_excluded(name: str) -> tuple[str, ...]:
-    """ShardConfig keys that ``shards.<name>`` cannot hold."""
-    options = registry.get(name).shard_options
-    specific = sorted({k for d in registry.DATASETS.values() for k in d.shard_options})   # some datasets' own
+    """ShardConfig keys that ``shards.<name>`` cannot hold (a name not known: a CSV-described folder's)."""
+    options = (registry.adapters().get(name) or csv_folder.CSVFolder()).shard_options
+    specific = sorted({k for d in (*registry.DATASETS.values(), csv_folder.CSVFolder()) for k in d.shard_options})
     return _SHARD_SET_BY_WORKFLOW + tuple(k for k in specific if k not in options)
 
 
@@ -185,34 +188,63 @@ def _study(config: Mapping[str, Any], p: _Problems) -> StudySection | None:
     study = p.build(StudySection, _section(config, "study", p), "study")
     for stage in STAGES:
         name = getattr(study, f"{stage}_dataset", None)
-        allowed = [n for n, d in registry.DATASETS.items() if d.stage == stage]
+        allowed = [n for n, d in registry.adapters().items() if d.stage == stage]
         if study is not None and name not in allowed:
             p.add("study", f"study.{stage}_dataset: {name!r} is not one of {allowed}")
     return study if p.ok("study") else None
 
 
-def _datasets(config: Mapping[str, Any], p: _Problems) -> dict[str, SourceConfig]:
-    sources = {}
+def _datasets(config: Mapping[str, Any], p: _Problems) -> tuple[dict[str, SourceConfig], dict[str, TableSpec]]:
+    """``datasets.<name>``: the sources of the datasets chexflow knows, and the declarations of
+    CSV-described folders (``format: csv``), which are declared to the registry here."""
+    sources, tables = {}, {}
     for name, section in _section(config, "datasets", p).items():
         key = f"datasets.{name}"
         adapter = registry.DATASETS.get(name)
+        if adapter is None and isinstance(section, Mapping) and section.get("format") == "csv":
+            if not CSV_NAME.fullmatch(str(name)):
+                p.add(key, f"{key}: a dataset's name is letters, digits and _ (starting with a letter)")
+                continue
+            spec = p.build(TableSpec, dict(section), key)
+            if spec is not None:
+                for message in csv_folder.spec_problems(spec, key):
+                    p.add(key, message)
+                tables[name] = spec
+            continue
         if adapter is None or adapter.generated:
             known = [n for n, d in registry.DATASETS.items() if not d.generated]
             p.add(key, f"{key}: not a downloaded dataset (those are: {', '.join(known)}; a generated "
-                       "release has its own section)")
+                       "release has its own section; a CSV-described folder has format: csv)")
             continue
         allowed = {"mirror", *adapter.source_options()}
         for extra in sorted(set(section or {}) - allowed):
             p.add(key, f"{key}.{extra}: not allowed here ({name} has {', '.join(sorted(allowed))})")
         sources[name] = p.build(SourceConfig, {k: v for k, v in (section or {}).items() if k in allowed}, key)
-    return {n: s for n, s in sources.items() if s is not None}
+    registry.declare(tables)
+    return {n: s for n, s in sources.items() if s is not None}, tables
 
 
-def _shards(config: Mapping[str, Any], sources: Mapping[str, SourceConfig], p: _Problems) -> dict[str, ShardConfig]:
+def folder_settings(study: Study, name: str) -> dict:
+    """What the rules add to ``shards.<name>`` for a shard job of a folder dataset (as ``check_study`` did)."""
+    return _folder(name, study.sources, study.tables)
+
+
+def _folder(name: str, sources: Mapping[str, SourceConfig], tables: Mapping[str, TableSpec]) -> dict:
+    """What the workflow sets in ``shards.<name>`` of a folder dataset: the image folder (chexpert: its
+    mirror; a CSV dataset: its images) and a CSV dataset's declaration."""
+    if name in tables:
+        return {"images": tables[name].images, "table": dataclasses.asdict(tables[name])}
+    if registry.get(name).folder and sources.get(name) is not None:
+        return {"images": sources[name].mirror}
+    return {}
+
+
+def _shards(config: Mapping[str, Any], sources: Mapping[str, SourceConfig], tables: Mapping[str, TableSpec],
+            p: _Problems) -> dict[str, ShardConfig]:
     out = {}
     for name, section in _section(config, "shards", p).items():
         key = f"shards.{name}"
-        adapter = registry.DATASETS.get(name)
+        adapter = registry.adapters().get(name)
         if adapter is None:
             p.add(key, f"{key}: unknown dataset; known: {', '.join(registry.NAMES)}")
             continue
@@ -221,7 +253,7 @@ def _shards(config: Mapping[str, Any], sources: Mapping[str, SourceConfig], p: _
         pilot = {}
         if "archives" in adapter.source_options() and source and p.ok(f"datasets.{name}.archives"):
             pilot = {"archives": source.archives}
-        cfg = p.build(ShardConfig, {**section, "dataset": name, **pilot}, key)
+        cfg = p.build(ShardConfig, {**section, "dataset": name, **pilot, **_folder(name, sources, tables)}, key)
         if cfg is not None:
             out[name] = cfg
     return out
@@ -327,6 +359,54 @@ def _data_relations(s: Study, p: _Problems) -> None:
                 p.add(f"shards.{name}", message)
 
 
+def _used(s: Study) -> list[str]:
+    """The datasets the study trains or tests on."""
+    return list(dict.fromkeys([s.pretrain_dataset, s.finetune_dataset, *s.evaluate.external]))
+
+
+def _folder_relations(s: Study, p: _Problems) -> None:
+    """A folder dataset the study uses reads its images from a local folder (CheXpert: its mirror)."""
+    for name in _used(s):
+        adapter = registry.adapters().get(name)
+        if adapter is None or not adapter.folder or name in s.tables:
+            continue
+        mirror = (s.sources.get(name) or SourceConfig()).mirror
+        if not mirror:
+            p.add(f"datasets.{name}.mirror", f"datasets.{name}.mirror: {name}'s images are read from its folder: set "
+                                             f"it to that folder ({adapter.source().how_to_obtain})")
+        elif "://" in mirror:
+            p.add(f"datasets.{name}.mirror", f"datasets.{name}.mirror: {mirror!r}: {name}'s images are read from a "
+                                             "local folder, not a URL")
+
+
+def _external_relations(s: Study, p: _Problems) -> None:
+    """Each external dataset: another multi-label dataset with shards, sharing a finding with the fine-tuning
+    data, and no lateral images for a model that saw none."""
+    if not p.ok("evaluate.external", "study"):
+        return
+    fine = registry.get(s.finetune_dataset)
+    fine_frontal = not fine.folder or s.shards.get(s.finetune_dataset, ShardConfig()).views == "frontal"
+    for i, name in enumerate(s.evaluate.external):
+        key = f"evaluate.external[{i}]"
+        adapter = registry.adapters().get(name)
+        allowed = [n for n, d in registry.adapters().items() if d.stage == "finetune" and n != s.finetune_dataset]
+        if adapter is None or name not in allowed:
+            p.add("evaluate.external", f"{key}: {name!r} is not a dataset to test the fine-tuned model on (one of "
+                                       f"{allowed}: another fine-tuning dataset than study.finetune_dataset)")
+            continue
+        if name not in s.shards:
+            p.add(f"shards.{name}", f"shards.{name}: missing (the data of {key})")
+            continue
+        found = labelmap.match(fine.info().labels, adapter.info().labels)
+        if not found.pairs:
+            p.add("evaluate.external", f"{key}: {name} shares no finding with {s.finetune_dataset} "
+                                       f"({list(adapter.info().labels)} vs {list(fine.info().labels)}; "
+                                       "chexflow.data.labelmap lists the names that match)")
+        if adapter.folder and s.shards[name].views == "all" and fine_frontal:
+            p.add(f"shards.{name}.views", f"shards.{name}.views: all would score lateral images with a model trained "
+                                          f"on frontal ones only ({s.finetune_dataset}): set frontal for {key}")
+
+
 def _container_image(image: str | None, p: _Problems) -> None:
     if image is None:
         return
@@ -407,17 +487,19 @@ def check_study(config: MutableMapping[str, Any]) -> Study:
     for name in REQUIRED:
         if name not in config:
             p.add(name, f"{name}: missing section")
+    sources, tables = _datasets(config, p)     # first: declares the CSV-described datasets
     study = _study(config, p)
-    sources = _datasets(config, p)
     releases = _releases(config, p)
-    shards = _shards(config, sources, p)
+    shards = _shards(config, sources, tables, p)
     train = {k: v for k, v in _training(config, study, p).items() if v is not None}
     sections = {name: p.build(cls, _section(config, name, p), name) for name, cls in STUDY_SECTIONS.items()}
     if study is not None and all(v is not None for v in sections.values()):    # (None: not a mapping)
         s = Study(pretrain_dataset=study.pretrain_dataset, finetune_dataset=study.finetune_dataset,
-                  sources=sources, releases=releases, shards=shards, train=train, **sections)
+                  sources=sources, tables=tables, releases=releases, shards=shards, train=train, **sections)
         _train_relations(s, p)
         _data_relations(s, p)
+        _folder_relations(s, p)
+        _external_relations(s, p)
         _study_relations(s, p)
     if p.items:
         raise ConfigError(list(dict.fromkeys(p.items)))
@@ -433,8 +515,14 @@ def study_schema() -> dict:
     datasets = {name: {"type": "object", "additionalProperties": False,
                        "properties": {"mirror": {"type": ["string", "null"]}, **d.source_options()}}
                 for name, d in DATASETS.items() if not d.generated}
+    # any other name under datasets: a CSV-described folder (format: csv), its shards: section likewise
+    table = {**dataclass_schema(TableSpec), "required": ["format", "table", "images", "findings"]}
     shards = {name: dataclass_schema(ShardConfig, exclude=shard_keys_excluded(name)) for name in DATASETS}
-    stage_enum = {stage: {"enum": [n for n, d in DATASETS.items() if d.stage == stage]} for stage in STAGES}
+    csv_shards = dataclass_schema(ShardConfig, exclude=shard_keys_excluded(""))
+    name = {"type": "string", "pattern": f"^{CSV_NAME.pattern}$"}
+    stage_enum = {stage: {"anyOf": [{"enum": [n for n, d in DATASETS.items() if d.stage == stage]}]
+                          + ([{**name, "description": "a CSV-described folder declared under datasets:"}]
+                             if stage == "finetune" else [])} for stage in STAGES}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "description": "chexflow config.yaml (generated from chexflow.config: `python -m chexflow.config`)",
@@ -444,9 +532,9 @@ def study_schema() -> dict:
             "study": {"type": "object", "additionalProperties": False,
                       "required": ["pretrain_dataset", "finetune_dataset"],
                       "properties": {f"{stage}_dataset": stage_enum[stage] for stage in STAGES}},
-            "datasets": {"type": "object", "additionalProperties": False, "properties": datasets},
+            "datasets": {"type": "object", "additionalProperties": table, "properties": datasets},
             **{d.release_config: dataclass_schema(DemoReleaseConfig) for d in DATASETS.values() if d.generated},
-            "shards": {"type": "object", "additionalProperties": False, "properties": shards},
+            "shards": {"type": "object", "additionalProperties": csv_shards, "properties": shards},
             "training": dataclass_schema(TrainConfig, exclude=train_config.training_keys_excluded()),
             **{stage: dataclass_schema(TrainConfig, exclude=train_config.stage_keys_excluded(stage))
                for stage in STAGES},

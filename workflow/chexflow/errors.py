@@ -79,6 +79,8 @@ REFUSALS: dict[str, Refusal] = {
     "ShardError": Refusal(7, _DATA),
     "ArchiveError": Refusal(7, _REWRITE),
     "NIHError": Refusal(7, _DATA),
+    "TableError": Refusal(7, "fix the row named in the table, or the dataset's columns in config.yaml"),
+    "ExternalInputError": Refusal(7, _REWRITE),
     "IdxError": Refusal(7, _REWRITE),
     "ImageNetError": Refusal(7, _DATA),
     "DecodeError": Refusal(7, "replace the image named"),

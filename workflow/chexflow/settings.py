@@ -121,6 +121,13 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         inner = typing.get_args(tp)[0]
         items = tuple(_convert(v, inner, f"{key}[{i}]", problems) for i, v in enumerate(value))
         return BAD if any(v is BAD for v in items) else items
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+            problems.append(f"{key}: expected a mapping of names, got {value!r}")
+            return BAD
+        inner = typing.get_args(tp)[1]
+        items = {k: _convert(v, inner, f"{key}.{k}", problems) for k, v in value.items()}
+        return BAD if any(v is BAD for v in items.values()) else items
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, problems)
     if tp is bool:
@@ -250,6 +257,8 @@ def _schema_of(tp: Any, f: dataclasses.Field | None = None) -> dict:
         return {**inner, "type": [t, "null"]} if isinstance(t, str) else {"anyOf": [inner, {"type": "null"}]}
     if origin is Literal:
         return {"enum": list(typing.get_args(tp))}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _schema_of(typing.get_args(tp)[1])}
     if origin is tuple:
         out = {"type": "array", "items": {**_schema_of(typing.get_args(tp)[0]), **rng}}
         return {**out, "uniqueItems": True} if f is not None and f.metadata.get("unique") else out
@@ -280,8 +289,9 @@ def normalize_numbers(data: Any, schema: dict, key: str = "") -> None:
     string reads as one: YAML 1.1 reads ``1e-3`` as a string. A log line names each key."""
     if isinstance(data, dict):
         props = schema.get("properties") or {}
+        other = schema.get("additionalProperties")      # a schema for the keys not listed, if any
         for name, value in data.items():
-            sub = props.get(name)
+            sub = props.get(name, other if isinstance(other, dict) else None)
             if sub is None:
                 continue
             where = f"{key}.{name}" if key else str(name)

@@ -7,7 +7,7 @@ Sections of config.yaml: ``demo_release`` / ``demo_pretrain_release`` (:class:`D
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from chexflow.settings import setting
@@ -39,6 +39,38 @@ class DemoReleaseConfig:
         return -(-self.n_images // self.images_per_archive)
 
 
+# How a label table's observations become targets (CheXpert's 1.0 / 0.0 / -1.0 uncertain / blank not
+# mentioned; Irvin et al., AAAI 2019): an uncertain one is read as positive (U-Ones), negative (U-Zeros)
+# or unknown (U-Ignore: NaN, left out of the loss and of every metric of that finding and image)
+UncertainPolicy = Literal["ones", "zeros", "ignore"]
+BlankPolicy = Literal["negative", "ignore"]
+DEFAULT_POLICY = "default"      # the key of ``uncertain`` that covers the findings not named
+
+
+@dataclass(frozen=True)
+class TableColumns:
+    """Which column of a CSV-described dataset's table holds what (``datasets.<name>.columns``)."""
+    image: str = "path"               # the image file, relative to the image folder
+    patient: str = "patient"
+    sex: str | None = None            # M / F / male / female (others: unknown)
+    age: str | None = None            # years; "90+" reads as 90
+    view: str | None = None           # PA / AP / lateral (LL, RL, LAT)
+    split: str | None = None          # train / val / test; none: carved by patient (val_fraction, test_fraction)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """``datasets.<name>`` of a CSV-described folder of images (``format: csv``): where its table
+    and images are and which columns say what. Its findings' names are the model's outputs; name them
+    as NIH or CheXpert do (or as ``chexflow.data.labelmap`` lists) for an external validation to match them."""
+    format: Literal["csv"] = "csv"
+    table: str = ""                   # the CSV file (copied to data/raw/<name>/, its sha256 recorded)
+    images: str = ""                  # the folder the image column's paths are relative to
+    title: str = ""                   # shown in the report (default: the dataset's name)
+    columns: TableColumns = field(default_factory=TableColumns)
+    findings: dict[str, str] = field(default_factory=dict)   # finding -> its column (1 / 0 / -1 / blank)
+
+
 @dataclass(frozen=True)
 class ShardConfig:
     dataset: str = "nih_demo"
@@ -57,6 +89,17 @@ class ShardConfig:
     # decoded. The defaults fit chest X-ray releases (NIH: 1,024 px PNGs of 0.3-2 MB)
     max_member_mb: float = setting(16.0, gt=0.0)
     max_image_megapixels: float = setting(4.0, gt=0.0)
+    # label-table datasets (chexpert, csv): the uncertainty policy per finding ("default": the others),
+    # what a blank (not mentioned) is, and which views are kept (frontal: lateral images left out)
+    uncertain: dict[str, UncertainPolicy] = field(default_factory=lambda: {DEFAULT_POLICY: "ignore"})
+    blank: BlankPolicy = "negative"
+    views: Literal["frontal", "all"] = "frontal"
+    # csv without a split column: the share of patients carved out for test (1.0: all test, an
+    # external test set only)
+    test_fraction: float = setting(0.2, ge=0.0, le=1.0)
+    # folder datasets (chexpert, csv): set by the workflow from datasets.<name> (mirror / images, the table)
+    images: str | None = None
+    table: TableSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ class Dataset:
     # the validation split is carved out of the training data by shards.<name>.val_fraction (else
     # the release has its own, as ImageNet's official val set)
     val_carved: bool = True
+    # the images lie in a folder the shard jobs read (ShardConfig.images: the mirror, or a csv dataset's
+    # image folder), only the label tables are downloaded; else they are in the release's archives
+    folder: bool = False
 
     @property
     def generated(self) -> bool:
@@ -90,6 +93,12 @@ class Dataset:
         """Problems of ``shards.<name>`` that only this dataset has (each naming its dotted key):
         ``chexflow.config.check_study`` reports them before any job runs."""
         return []
+    def labelling(self, cfg: ShardConfig) -> dict | None:
+        """How the targets were made from the label table, recorded in the manifest (``labelling``) and
+        shown in the report: a label-table dataset's policy (``chexflow.data.tables.labelling``); None
+        for a release whose labels need no such choice."""
+        return None
+
     def evaluation_files(self, source: Source, boxes: bool = True) -> dict[str, RemoteFile]:
         """The files of ``source`` evaluation reads besides the shards, by use: ``label_table`` (the
         subgroups' fields), ``boxes`` (reference boxes of findings, unless ``boxes`` is False:

@@ -4,6 +4,11 @@ The only list of datasets: the config schema's dataset keys, the Snakefile's ``{
 wildcard, the raw files each job reads, the shard jobs and the shard stage's readers all come
 from here. Adding a dataset is one module defining its adapter and one line below (see the
 docs/datasets.md, "Adding a dataset"). Imported by the Snakefile for every DAG it builds.
+
+Besides the datasets chexflow knows, a config declares CSV-described folders (``datasets.<name>`` with
+``format: csv``, ``chexflow.data.csv_folder``): :func:`declare` adds their adapters, made from their
+declarations, in each process that needs them (the Snakefile through ``chexflow.config.check_study``;
+a command through the declaration its rule hands it, ``ShardConfig.table``).
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from chexflow.data import fashion_mnist, imagenet, nih, sources
+from chexflow.data import chexpert, csv_folder, fashion_mnist, imagenet, nih, sources
+from chexflow.data.config import TableSpec
 from chexflow.data.dataset import Dataset
 from chexflow.data.sources import Source, UnknownSourceError
 from chexflow.fsutil import read_regular
@@ -24,16 +30,37 @@ DATASETS: dict[str, Dataset] = {a.name: a for a in (
     nih.DEMO_PRETRAIN_ADAPTER,
     nih.ADAPTER,
     imagenet.ADAPTER,
+    chexpert.ADAPTER,
 )}
-NAMES = tuple(DATASETS)
+DECLARED: dict[str, Dataset] = {}   # the CSV-described folders a config declares (declare)
+NAMES = tuple(DATASETS)             # every dataset of this process: the known ones, then the declared
+
+
+def declare(tables: Mapping[str, TableSpec]) -> None:
+    """Make ``tables`` (name -> declaration of a CSV-described folder) the declared datasets of this
+    process, beside the known ones (an earlier declaration of another name is dropped). A name of a
+    known dataset cannot be declared."""
+    global NAMES
+    clash = sorted(set(tables) & set(DATASETS))
+    if clash:
+        raise UnknownSourceError(f"datasets.{clash[0]}: {clash[0]!r} is a dataset chexflow knows; a CSV-described "
+                                 "folder needs a name of its own")
+    DECLARED.clear()
+    DECLARED.update({name: csv_folder.adapter(name, spec) for name, spec in tables.items()})
+    NAMES = (*DATASETS, *DECLARED)
+
+
+def adapters() -> dict[str, Dataset]:
+    """Every dataset of this process by name: the known ones and the declared ones."""
+    return {**DATASETS, **DECLARED}
 
 
 def get(name: str) -> Dataset:
     """The adapter of dataset ``name`` (``UnknownSourceError`` naming the known ones)."""
     try:
-        return DATASETS[name]
+        return DATASETS.get(name) or DECLARED[name]
     except (KeyError, TypeError):
-        raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}") from None
+        raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(NAMES)}") from None
 
 
 def get_source(name: str, *, n_archives: int | None = None) -> Source:

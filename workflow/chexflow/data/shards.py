@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
@@ -167,8 +168,22 @@ def duplicates_error(where: str, duplicates: list[tuple[str, str, str]]) -> Shar
                       f"image in the split twice: {shown}{more}. Remove the extra copies from the archives.")
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def tar_key(key: str) -> str:
+    """The WebDataset key of an image in a shard: its file name without the suffix where that is plain
+    (the archive datasets' names); otherwise (a path with folders, spaces or more dots, as label-table
+    datasets have) the path made plain plus a hash of it, so that two paths never share a key."""
+    stem = Path(key).stem
+    if "/" not in key and _PLAIN_KEY.fullmatch(stem):
+        return stem
+    plain = re.sub(r"[^A-Za-z0-9_-]+", "_", str(Path(key).with_suffix("")))[-80:]
+    return f"{plain}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def _encode(sample: Sample, encoding: str) -> dict:
-    out = {"__key__": Path(sample.key).stem}
+    out = {"__key__": tar_key(sample.key)}
     if encoding == "raw":
         buf = io.BytesIO()
         np.save(buf, sample.image, allow_pickle=False)
@@ -193,6 +208,15 @@ def _label_counts(targets: list[np.ndarray], info: DatasetInfo) -> dict[str, int
         c = Counter(int(t) for t in arr)
         return {label: c.get(i, 0) for i, label in enumerate(info.labels)}
     return {label: int(np.nansum(arr[:, i] == 1)) for i, label in enumerate(info.labels)}
+
+
+def _unknown_counts(targets: list[np.ndarray], info: DatasetInfo) -> dict[str, dict[str, int]]:
+    """``{"unknown_counts": {label: images whose label is unknown (NaN)}}`` when any is, else nothing (a
+    release without unknown labels records no such key)."""
+    if info.task != "multilabel" or not targets:
+        return {}
+    unknown = np.isnan(np.stack(targets).astype(np.float64)).sum(axis=0)
+    return {"unknown_counts": dict(zip(info.labels, map(int, unknown)))} if unknown.any() else {}
 
 
 def part_key(name: str, part: str, raw_dir: Path, splits_csv: Path, cfg: ShardConfig,
@@ -308,6 +332,7 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
         rec = {"file": fname, "split": split, "count": len(batch), "sha256": sha256_file(out_dir / fname),
                "last_key": batch[-1].key,
                "label_counts": _label_counts([b.target for b in batch], info),
+               **_unknown_counts([b.target for b in batch], info),
                "patients": sorted({b.patient for b in batch}),
                "images": [b.key for b in batch if b.key in listed]}
         shard_records.append(rec)
@@ -337,8 +362,8 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
     manifest = {
         "dataset": name, "part": part, "image_size": cfg.image_size, "encoding": cfg.encoding,
         "task": info.task, "labels": list(info.labels), "key": key,
-        "shards": [{k: r[k] for k in ("file", "split", "count", "sha256", "label_counts", "patients")}
-                   for r in sorted(shard_records, key=lambda r: r["file"])],
+        "shards": [{k: r[k] for k in ("file", "split", "count", "sha256", "label_counts", "unknown_counts", "patients")
+                    if k in r} for r in sorted(shard_records, key=lambda r: r["file"])],
         "rejects": rejects,
         "listed_found": found,
         "members": log.members,
@@ -448,6 +473,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
             s["n_images"] += sh["count"]
             n_images += sh["count"]
             s["label_counts"].update(sh["label_counts"])
+            if sh.get("unknown_counts"):
+                s.setdefault("unknown_counts", Counter()).update(sh["unknown_counts"])
             s["shards"].append({"path": rel, "count": sh["count"], "sha256": sh["sha256"]})
             patients[sh["split"]].update(sh["patients"])
     if duplicates:
@@ -462,6 +489,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
         s["n_patients"] = len(patients[split])
         s["n_shards"] = len(s["shards"])
         s["label_counts"] = {label: int(s["label_counts"].get(label, 0)) for label in labels}
+        if "unknown_counts" in s:
+            s["unknown_counts"] = {label: int(s["unknown_counts"].get(label, 0)) for label in labels}
         if cover is not None and split in cover["per_split"]:
             s["n_listed"] = cover["per_split"][split]["n_listed"]
     manifest = {"dataset": name, "title": info.title, "synthetic": info.synthetic, "task": info.task,
@@ -469,5 +498,8 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
                 "split_source": info.split_source,
                 "splits": {k: splits[k] for k in SPLITS if k in splits}, "n_rejects": n_rejects,
                 "coverage": cover}
+    labelling = registry.get(name).labelling(cfg)
+    if labelling is not None:      # how the label table's observations became targets
+        manifest["labelling"] = labelling
     write_text_atomic(out_path, json.dumps(manifest, indent=1))
     return manifest

@@ -30,3 +30,6 @@ class EvaluateConfig:
     # rate from this many patients with a finding
     min_subgroup_count: int = setting(5, ge=1)
     saliency: SaliencyConfig = field(default_factory=SaliencyConfig)
+    # external validation: the fine-tuned model on the test split of each of these datasets, for the
+    # findings both share (chexflow.data.labelmap), beside the internal test (chexflow.evaluate.external)
+    external: tuple[str, ...] = setting((), unique=True)

@@ -30,6 +30,7 @@ __all__ = [
     "bootstrap_auroc",
     "paired_bootstrap_auroc_diff",
     "paired_bootstrap_over_seeds",
+    "independent_bootstrap_auroc_diff",
     "youden_threshold",
     "operating_point",
     "top1_accuracy",
@@ -268,6 +269,79 @@ def paired_bootstrap_over_seeds(y_true: np.ndarray, runs: Sequence[tuple[np.ndar
             "ci": [float(v) for v in np.percentile(per_resample, q)] if per_resample.size else None,
             "t_ci": t_ci, "n_seeds": len(runs), "n_resamples_used": int(per_resample.size),
             "n_resamples": n_resamples, "n_patients": int(counts.shape[1]), "labels_used": used, "rule": MEAN_RULE}
+
+
+def _bootstrap_columns(y: np.ndarray, s: np.ndarray, counts: np.ndarray, patient_index: np.ndarray,
+                       chunk_size: int = 256) -> np.ndarray:
+    """AUROC ``[B, L]`` of each column of ``y``/``s`` in each resample ``counts`` [B, P] (NaN labels left
+    out; NaN where a resample holds one class)."""
+    out = np.full((counts.shape[0], y.shape[1]), np.nan)
+    for j in range(y.shape[1]):
+        known = ~np.isnan(y[:, j])
+        for b0 in range(0, counts.shape[0], chunk_size):
+            w = counts[b0:b0 + chunk_size][:, patient_index[known]].astype(np.float64)
+            out[b0:b0 + chunk_size, j] = _weighted_auroc_batch(y[known, j], s[known, j], w)
+    return out
+
+
+def independent_bootstrap_auroc_diff(a: tuple[np.ndarray, np.ndarray, Sequence[Any]],
+                                     b: tuple[np.ndarray, np.ndarray, Sequence[Any]], labels: Sequence[str], *,
+                                     n_resamples: int = 1000, seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """The AUROC difference ``A - B`` per finding between two test sets that share no patient (a model's
+    internal test set and an external one, Zech et al., PLOS Medicine 2018), with a percentile CI.
+
+    ``a`` and ``b``: ``(y_true [N, L], y_score [N, L], patient per image)``, the columns of ``labels`` in
+    the same order (a finding's column of each set). The sets are independent samples, so each is
+    resampled by patient on its own: resample ``k`` of the difference is the ``k``-th resample of A
+    minus the ``k``-th of B, drawn from independent streams (A's is ``default_rng(seed)``, the stream
+    ``bootstrap_auroc`` draws with ``seed``, so A's CI is the one A's own evaluation reports; B's is
+    ``default_rng([seed, 1])``). The variance of the difference is then the sum of the two variances,
+    as it must be for independent samples; a paired bootstrap (``paired_bootstrap_auroc_diff``) would be
+    wrong here, there being no pairs. A resample where a finding has one class in either set is
+    dropped for that finding. The mean difference is over the findings defined in both point estimates,
+    from the resamples where all of them are defined in both sets (``MEAN_RULE``).
+
+    Returns ``{"labels": {L: {"a", "a_ci", "b", "b_ci", "diff", "ci", "p_le_0", "n_resamples_used"}},
+    "mean": {"a", "b", "diff", "ci", "labels", "n_resamples_used"}, "n_resamples", "seed", "alpha",
+    "n_patients_a", "n_patients_b", "rule"}``; ``p_le_0``: the share of resamples with A - B <= 0.
+    """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    sets = []
+    for name, (y, s, groups), stream in (("A", a, seed), ("B", b, [seed, 1])):
+        y, s = _check_2d(y, s, labels)
+        groups = np.asarray(groups)
+        if groups.shape[0] != y.shape[0]:
+            raise ValueError(f"set {name}: {groups.shape[0]} patient ids but {y.shape[0]} images")
+        pidx, counts = patient_resample_counts(groups, n_resamples, np.random.default_rng(stream))
+        sets.append((auroc_per_label(y, s, labels), _bootstrap_columns(y, s, counts, pidx), counts.shape[1]))
+    (point_a, boot_a, n_a), (point_b, boot_b, n_b) = sets
+    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
+
+    def ci(vals: np.ndarray) -> list[float] | None:
+        vals = vals[~np.isnan(vals)]
+        return [float(v) for v in np.percentile(vals, q)] if vals.size else None
+
+    diff = boot_a - boot_b
+    out_labels = {}
+    for j, lab in enumerate(labels):
+        defined = point_a[lab] is not None and point_b[lab] is not None
+        d = diff[:, j][~np.isnan(diff[:, j])] if defined else np.empty(0)
+        out_labels[lab] = {"a": point_a[lab], "a_ci": ci(boot_a[:, j]) if point_a[lab] is not None else None,
+                           "b": point_b[lab], "b_ci": ci(boot_b[:, j]) if point_b[lab] is not None else None,
+                           "diff": point_a[lab] - point_b[lab] if defined else None, "ci": ci(d) if defined else None,
+                           "p_le_0": float(np.mean(d <= 0.0)) if d.size else None, "n_resamples_used": int(d.size)}
+    used = [j for j, lab in enumerate(labels) if out_labels[lab]["diff"] is not None]
+    mean_diff = _mean_over_complete_resamples(diff[:, used]) if used else np.empty(0)
+    mean = {"labels": [labels[j] for j in used], "n_resamples_used": int(mean_diff.size),
+            "a": float(np.mean([point_a[labels[j]] for j in used])) if used else None,
+            "b": float(np.mean([point_b[labels[j]] for j in used])) if used else None,
+            "ci": ci(mean_diff)}
+    mean["diff"] = None if not used else mean["a"] - mean["b"]
+    return {"labels": out_labels, "mean": mean, "n_resamples": n_resamples, "seed": seed, "alpha": alpha,
+            "n_patients_a": int(n_a), "n_patients_b": int(n_b), "rule": MEAN_RULE}
 
 
 # --------------------------------------------------------------------------- thresholds

@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from chexflow import host
-from chexflow.data import loader
+from chexflow.data import loader, nih
 from chexflow.evaluate import leakage, localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
@@ -110,6 +110,10 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     for j, label in enumerate(labels):
         result["labels"][label] = _label_entry(cfg, label, y[:, j], s[:, j], patients, val, j, per_label[label],
                                                boot.get("labels", {}).get(label, {}).get("ci"))
+    if tuple(labels) != nih.LABELS:     # CheXNet's numbers are of ChestX-ray14's findings and test set
+        result["chexnet_mean_same_labels"] = None
+        for entry in result["labels"].values():
+            entry["chexnet"] = None
 
     fields = None
     if label_table is not None:
@@ -194,7 +198,6 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
               manifest: Path, crop: int, stored: int, boxes: Path | None, box_frame: int | None, device) -> dict:
     """Grad-CAM of the gallery (top true/false positives) and of every test image with a reference box
     of a finding it is positive for; the pointing game and IoBB of the latter, per finding."""
-    from chexflow.data import nih
     s, y, patients, images = test
     index = {name: i for i, name in enumerate(images)}
     name, layer, side = saliency.choose_layer(model, crop=crop, in_channels=info["in_channels"],
@@ -256,7 +259,7 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
     rows = [{"label": L, "auroc": result["labels"][L]["auroc"],
              "ci_low": (result["labels"][L]["ci"] or [None, None])[0],
              "ci_high": (result["labels"][L]["ci"] or [None, None])[1],
-             "chexnet": CHEXNET.get(L)} for L in labels]
+             "chexnet": result["labels"][L]["chexnet"]} for L in labels]
     rows.append({"label": "mean", "auroc": result["mean_auroc"],
                  "ci_low": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[0],
                  "ci_high": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[1],

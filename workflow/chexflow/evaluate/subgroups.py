@@ -26,6 +26,9 @@ from chexflow.fsutil import read_regular
 
 MAX_AGE = 120
 COLUMNS = {"sex": "Patient Gender", "age": "Patient Age", "view": "View Position"}
+# the same fields in the split table of a label-table dataset (chexflow.data.tables.split_frame): M / F,
+# years, PA / AP / lateral (a lateral image is in no view group: the groups are PA and AP)
+SPLIT_TABLE_COLUMNS = {"sex": "sex", "age": "age", "view": "view"}
 SEXES = {"M": "male", "F": "female"}
 VIEWS = ("PA", "AP")
 
@@ -51,6 +54,8 @@ def read_fields(table: Path, images: Sequence[str], *, age_edges: Sequence[int])
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, EOFError) as exc:
         raise SubgroupError(f"{table}: cannot read the label table ({exc})") from exc
     raw.columns = [c.strip() for c in raw.columns]
+    if {"image", *SPLIT_TABLE_COLUMNS.values()} <= set(raw.columns):     # a label-table dataset's split table
+        raw = raw.rename(columns={"image": "Image Index", **{SPLIT_TABLE_COLUMNS[k]: v for k, v in COLUMNS.items()}})
     missing = [c for c in ("Image Index", *COLUMNS.values()) if c not in raw.columns]
     if missing:
         raise SubgroupError(f"{table}: missing column(s) {missing} (needed for the subgroups)")

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO, Iterator
 import pandas as pd
 
 from chexflow.evaluate.comparison_record import ComparisonRecordError, read_comparison
+from chexflow.evaluate.external_record import ExternalInputError, read_record
 from chexflow.evaluate.record import MetricsRecordError, PredictionsRecordError, read_metrics, read_predictions
 from chexflow.fsutil import open_regular
 from chexflow.report.errors import ReportInputError
@@ -23,7 +24,8 @@ from chexflow.train.epochs import EpochsRecordError, read_epochs
 INPUTS: dict[str, tuple[str, ...] | None] = {
     "evaluation": ("metrics", "predictions", "saliency"),
     "training": ("pretrain", "finetune"),
-    "manifests": ("pretrain", "finetune"),
+    "manifests": None,              # pretrain, finetune, external_<dataset>
+    "external": None,               # dataset -> its external validation's metrics.json
     "benchmarks": None,
     "ablation": ("comparison",),
     "scaling": ("table", "plot"),
@@ -109,6 +111,14 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
                                           "underdiagnosis", "host", "training_host")},
         **{key: boot.get(key) for key in ("mean_rule", "mean_resamples_used", "n_resamples")},
     }
+
+
+def load_external(path: Path) -> dict[str, Any]:
+    """An external validation's record (``chexflow.evaluate.external``)."""
+    try:
+        return read_record(Path(path))
+    except ExternalInputError as exc:
+        raise ReportInputError(str(exc)) from exc
 
 
 def load_metrics_jsonl(path: Path, what: str) -> list[dict[str, Any]]:

@@ -91,8 +91,9 @@ def training_curves(epochs: Sequence[Mapping[str, Any]], title: str) -> str:
 
 def auroc_bars(labels: Sequence[str], ours: Mapping[str, float | None], chexnet: Mapping[str, float],
                wang: Mapping[str, float] | None = None) -> str:
-    """Horizontal grouped bars of per-label AUROC: ours vs CheXNet (and Wang et al.)."""
-    series = [("This run", ours, OURS_COLOR), ("CheXNet", chexnet, CHEXNET_COLOR)]
+    """Horizontal grouped bars of per-label AUROC: ours vs CheXNet (and Wang et al.; none beside other
+    findings than ChestX-ray14's: empty mappings)."""
+    series = [("This run", ours, OURS_COLOR)] + ([("CheXNet", chexnet, CHEXNET_COLOR)] if chexnet else [])
     if wang:
         series.append(("Wang et al. 2017", wang, WANG_COLOR))
     n = len(labels)

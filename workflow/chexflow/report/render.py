@@ -16,12 +16,12 @@ from typing import Any
 from chexflow import host
 from chexflow.evaluate import published
 from chexflow.fsutil import write_text_atomic
-from chexflow.report import analyses, plots
+from chexflow.report import analyses, external_view, plots
 from chexflow.report.errors import ReportInputError
-from chexflow.report.inputs import (INPUTS, check_inputs, load_benchmark, load_manifest, load_metrics_json,
-                                    load_metrics_jsonl, load_predictions)
+from chexflow.report.inputs import (INPUTS, check_inputs, load_benchmark, load_external, load_manifest,
+                                    load_metrics_json, load_metrics_jsonl, load_predictions)
 from chexflow.report.provenance import collect_provenance, package_versions
-from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, roc_view
+from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, published_apply, roc_view
 from chexflow.report.run_view import dataset_view, run_view
 from chexflow.report.run_view import training_view
 from chexflow.report.studies_view import ablation_view, scaling_view, sweep_view
@@ -51,6 +51,7 @@ def limitations_of(ctx: dict[str, Any]) -> list[str]:
         out.append(f"Operating points of {', '.join(few)} rest on fewer than {roc['min_val_positives']} validation "
                    "positives (images or patients): their thresholds are unstable.")
     out += analyses.limitations(ctx)
+    out += external_view.limitations(ctx["external"])
     abl = ctx["ablation"]
     if abl and len(abl["seeds"]) == 1:
         out.append("The ablation rests on one training seed per arm: its CI covers the test patients, not training "
@@ -91,6 +92,7 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
     scaling = scaling_view(sc["table"], sc.get("plot")) if sc else None
     sweep = sweep_view(sw["table"], sw["selection"], sw.get("metrics")) if sw else None
     ablation = ablation_view(tree["ablation"]["comparison"]) if tree.get("ablation") else None
+    external = external_view.external_view({name: load_external(p) for name, p in tree.get("external", {}).items()})
 
     rows = auroc_rows(metrics, synthetic=bool(synthetic))
     prov = dict(provenance)
@@ -111,8 +113,9 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
         "rows": rows,
         "mean": mean_row(rows, metrics, synthetic=bool(synthetic)),
         "below_chance": [r for r in rows if r.ours is not None and r.ours < 0.5],
-        "bars": plots.auroc_bars(labels, {r.label: r.ours for r in rows}, published.CHEXNET_AUROC,
-                                 published.WANG2017_AUROC),
+        "bars": plots.auroc_bars(labels, {r.label: r.ours for r in rows},
+                                 *((published.CHEXNET_AUROC, published.WANG2017_AUROC) if published_apply(labels)
+                                   else ({}, {}))),
         "has_ci": any(r.ci_low is not None for r in rows),
         "roc": roc,
         "calibration": calibration_view(metrics, predictions, labels),
@@ -125,6 +128,7 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
         "scaling": scaling,
         "sweep": sweep,
         "ablation": ablation,
+        "external": external,
         "published": analyses.published_view(),
         "split_caveat": published.SPLIT_CAVEAT,
         "config_yaml": config_yaml(config),

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_curve
 
+from chexflow.data import nih
 from chexflow.evaluate import published
 from chexflow.evaluate.metrics import precision_recall
 from chexflow.report import plots
@@ -45,10 +46,17 @@ class AurocRow:
         return "below 0.5, CI includes chance" if self.ci_low is not None else "below 0.5, no CI"
 
 
+def published_apply(labels: list[str]) -> bool:
+    """Whether the published ChestX-ray14 numbers stand beside these findings (NIH's own 14)."""
+    return tuple(labels) == nih.LABELS
+
+
 def auroc_rows(metrics: dict[str, Any], *, synthetic: bool = False) -> list[AurocRow]:
+    nih_findings = published_apply(list(metrics["labels"]))
     return [AurocRow(label=lab, display=plots.display_name(lab), ours=e["auroc"], ci_low=e["ci_low"],
                      ci_high=e["ci_high"], n_pos=e["n_pos"], n_neg=e["n_neg"],
-                     chexnet=published.CHEXNET_AUROC.get(lab), wang=published.WANG2017_AUROC.get(lab),
+                     chexnet=published.CHEXNET_AUROC.get(lab) if nih_findings else None,
+                     wang=published.WANG2017_AUROC.get(lab) if nih_findings else None,
                      n_pos_patients=metrics["raw_labels"][lab].get("n_pos_patients"), synthetic=synthetic)
             for lab, e in metrics["labels"].items()]
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from chexflow import host
 from chexflow.report import plots
+from chexflow.report.external_view import labelling_text
 from chexflow.report.templating import hms, mean_of
 
 PILOT_BANNER = ("PILOT on {n_parts} of {n_release} archives of {title}: {n_found:,} of the {n_listed:,} images "
@@ -27,14 +28,18 @@ def dataset_view(name: str, manifest: dict[str, Any], path: Path) -> dict[str, A
             count = (info.get("label_counts") or {}).get(label)
             n = info.get("n_images") or 0
             cells.append({"count": count, "pct": (100.0 * count / n) if count is not None and n else None})
-        prevalence.append({"label": plots.display_name(str(label)), "cells": cells})
+        unknown = [(info.get("unknown_counts") or {}).get(label) for info in manifest["splits"].values()]
+        prevalence.append({"label": plots.display_name(str(label)), "cells": cells,
+                           "unknown": unknown if any(unknown) else None})
     for row, (split, info) in zip(splits, manifest["splits"].items()):
         row["n_listed"] = info.get("n_listed")
     return {"name": name, "title": manifest.get("title", name), "synthetic": bool(manifest.get("synthetic", False)),
             "split_source": manifest.get("split_source"), "release": release_text(manifest),
             "task": manifest.get("task", "?"), "image_size": manifest.get("image_size"),
             "n_rejects": manifest.get("n_rejects"), "splits": splits, "split_names": list(manifest["splits"]),
-            "prevalence": prevalence, "path": str(path)}
+            "prevalence": prevalence, "path": str(path),
+            "labelling": labelling_text(manifest.get("labelling")),
+            "notes": list((manifest.get("labelling") or {}).get("notes") or [])}
 
 
 def release_text(manifest: dict[str, Any]) -> str:
@@ -43,6 +48,8 @@ def release_text(manifest: dict[str, Any]) -> str:
     if not cov:
         return "coverage not recorded"
     used = f"{cov['n_found']:,} of {cov['n_listed']:,} listed images"
+    if manifest.get("labelling"):       # a label-table dataset: images read from its folder, by shard job
+        return f"{used}, read from the image folder by {len(cov['parts'])} shard job(s)"
     if cov.get("pilot"):
         return (f"PILOT on {len(cov['parts'])} of {cov['n_release_parts']} archives ({', '.join(cov['parts'])}): "
                 f"{used}; not comparable with published results")

@@ -1,0 +1,129 @@
+"""External validation: the fine-tuned model on another dataset's test split, beside its internal test.
+
+The model (the evaluation's ``model.pt``, whose run id must be the one its internal record names)
+scores the external test split at the crop it was trained at. Its findings are matched to the
+dataset's labels through the label map (``chexflow.data.labelmap``); the findings without a match,
+on either side, are listed in the record and the report, never dropped silently. For each matched
+finding the record holds the internal AUROC (from the internal ``predictions.csv``) and the external
+one, each with its patient-bootstrap CI, and the drop ``internal - external`` with a CI from independent
+bootstraps of the two test sets (``metrics.independent_bootstrap_auroc_diff``): the sets share no
+patient, so each is resampled on its own, as Zech et al. (PLOS Medicine 2018) compare a model's AUROC
+on its own hospital's and other hospitals' test sets. The internal CIs are those of the internal
+evaluation (the same resamples). Unknown labels (NaN, e.g. CheXpert's uncertain under ``ignore``) are
+left out of each finding's AUROC on that image.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from chexflow.data import labelmap, loader
+from chexflow.evaluate.config import EvaluateConfig
+from chexflow.evaluate.external_record import ExternalInputError
+from chexflow.evaluate.metrics import independent_bootstrap_auroc_diff, positives
+from chexflow.evaluate.record import read_metrics, read_predictions
+from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.train.checkpoint import load_model
+
+STATISTIC = ("drop = internal AUROC - external AUROC; 95% CI: percentile bootstrap, each test set's patients "
+             "resampled independently (the sets share no patient), resample k of the drop = resample k of the "
+             "internal set - resample k of the external set")
+
+
+def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metrics: Path,
+        internal_predictions: Path, out_dir: Path) -> dict:
+    """Evaluate ``model_path`` on the test split of ``manifest`` against the internal test
+    (``internal_metrics``, ``internal_predictions``, the evaluation of the same model) into ``out_dir``:
+    ``metrics.json`` (the record), ``predictions.csv`` and ``auroc.csv``."""
+    from chexflow.evaluate.run import predict
+    internal = read_metrics(Path(internal_metrics))
+    model_labels = list(internal["labels"])
+    model, info = load_model(model_path, expect={"task": "multilabel", "labels": model_labels,
+                                                  "run_id": internal.get("model_run_id")})
+    m = loader.read_manifest(Path(manifest))
+    if m.get("task") != "multilabel":
+        raise ExternalInputError(f"{manifest}: {m.get('dataset')} is not a multi-label dataset of findings")
+    if "test" not in m.get("splits", {}):
+        raise ExternalInputError(f"{manifest}: {m.get('dataset')} has no test split")
+    found = labelmap.match(model_labels, list(m["labels"]))
+    if not found.pairs:
+        raise ExternalInputError(f"{manifest}: {m.get('dataset')}'s findings {list(m['labels'])} match none of the "
+                                 f"model's {model_labels} (chexflow.data.labelmap)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    s, y, patients, images = predict(model, loader.split_shards(manifest, "test"), crop=info["crop"],
+                                     batch_size=cfg.batch_size, device=device)
+    ours = [model_labels.index(a) for a, _ in found.pairs]
+    theirs = [list(m["labels"]).index(b) for _, b in found.pairs]
+    ext = (y[:, theirs], s[:, ours], np.asarray(patients))
+    pred = read_predictions(Path(internal_predictions), model_labels)
+    inner = (pred[[a for a, _ in found.pairs]].to_numpy(float), pred[[f"{a}_score" for a, _ in found.pairs]]
+             .to_numpy(float), pred["patient"].astype(str).to_numpy())
+    if len(pred) != internal["n_images"]:
+        raise ExternalInputError(f"{internal_predictions}: {len(pred)} rows, but {internal_metrics} counts "
+                                 f"{internal['n_images']} test images: not the same evaluation")
+    names = [a for a, _ in found.pairs]
+    stat = independent_bootstrap_auroc_diff(inner, ext, names, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
+    result = _record(cfg, m, manifest, found, stat, internal, ext, inner, info)
+    result.update(n_images=int(len(images)), n_patients=int(len(set(patients))))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_tables(out_dir, result, found, images, patients, ext)
+    write_text_atomic(out_dir / "metrics.json", json.dumps(result, indent=1, default=float))
+    return result
+
+
+def _record(cfg: EvaluateConfig, m: dict, manifest: Path, found: labelmap.Match, stat: dict, internal: dict,
+            ext: tuple, inner: tuple, info: dict) -> dict:
+    findings = []
+    for k, (ours, theirs) in enumerate(found.pairs):
+        e = stat["labels"][ours]
+        findings.append({
+            "finding": ours, "external_label": theirs,
+            "internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner[0][:, k], inner[2])},
+            "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext[0][:, k], ext[2])},
+            "drop": {"diff": e["diff"], "ci": e["ci"], "p_le_0": e["p_le_0"],
+                     "n_resamples_used": e["n_resamples_used"]}})
+    return {"dataset": m.get("dataset"), "title": m.get("title"), "split_source": m.get("split_source"),
+            "synthetic": bool(m.get("synthetic")), "manifest": str(manifest), "labelling": m.get("labelling"),
+            "model_run_id": info["run_id"],
+            "label_map": found.record(), "findings": findings,
+            "mean": {"findings": stat["mean"]["labels"], "internal": stat["mean"]["a"], "external": stat["mean"]["b"],
+                     "drop": stat["mean"]["diff"], "ci": stat["mean"]["ci"],
+                     "n_resamples_used": stat["mean"]["n_resamples_used"]},
+            "bootstrap": {"n_resamples": stat["n_resamples"], "seed": stat["seed"], "alpha": stat["alpha"],
+                          "n_patients_internal": stat["n_patients_a"], "n_patients_external": stat["n_patients_b"],
+                          "mean_rule": stat["rule"]},
+            "statistic": STATISTIC}
+
+
+def _counts(y: np.ndarray, patients: np.ndarray) -> dict:
+    pos = positives(y, patients)
+    return {"n_pos": pos["images"], "n_neg": int((y == 0).sum()), "n_unknown": int(np.isnan(y).sum()),
+            "n_pos_patients": pos["patients"]}
+
+
+def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: list[str], patients: list[str],
+                  ext: tuple) -> None:
+    cols: dict = {"image": images, "patient": patients}
+    for k, (ours, theirs) in enumerate(found.pairs):
+        cols[ours] = ext[0][:, k]
+        cols[f"{ours}_score"] = ext[1][:, k]
+    with atomic_path(out_dir / "predictions.csv") as tmp:
+        pd.DataFrame(cols).to_csv(tmp, index=False, float_format="%.6g")
+    rows = [{"finding": f["finding"], "external_label": f["external_label"],
+             **{f"{side}_{k}": v for side in ("internal", "external")
+                for k, v in zip(("auroc", "ci_low", "ci_high"), (f[side]["auroc"], *(f[side]["ci"] or [None, None])))},
+             "drop": f["drop"]["diff"], "drop_ci_low": (f["drop"]["ci"] or [None, None])[0],
+             "drop_ci_high": (f["drop"]["ci"] or [None, None])[1]} for f in result["findings"]]
+    mean = result["mean"]
+    rows.append({"finding": "mean", "internal_auroc": mean["internal"], "external_auroc": mean["external"],
+                 "drop": mean["drop"], "drop_ci_low": (mean["ci"] or [None, None])[0],
+                 "drop_ci_high": (mean["ci"] or [None, None])[1]})
+    with atomic_path(out_dir / "auroc.csv") as tmp:
+        pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
+
