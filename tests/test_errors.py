@@ -47,6 +47,10 @@ def package_exception_classes() -> dict[str, type]:
 
 @pytest.fixture(scope="module")
 def classes() -> dict[str, type]:
+    return classes_by_name()
+
+
+def classes_by_name() -> dict[str, type]:
     """The package's exception classes by name (and Python's OSError), each name once."""
     found = package_exception_classes()
     by_name = {cls.__name__: cls for cls in found.values()}
@@ -394,20 +398,66 @@ def test_refused_model_file_and_missing_manifest(demo, demo_manifest, tmp_path):
     assert line.endswith(todo("ManifestError"))
 
 
+# One interpreter imports chexflow and every exception class once, then forks a child per class and
+# mode: each child is a real process that runs cli.main with the class raised by a command, its stderr
+# a file of its own, its exit status the one cli.main gives (a process per class started from scratch
+# spent ~10 s a class importing torch, 80 processes in all).
+_FORKED_REFUSALS = """
+import json, os, sys, tempfile, traceback
+from chexflow import cli, errors
+import test_errors as T
+
+classes, out = T.classes_by_name(), {}
+for name in sys.argv[1:]:
+    cls = classes[name]
+    exc = OSError(2, 'No such file or directory', 'data/x.bin') if cls is OSError else T._instance(cls)
+    for mode in ("quiet", "loud"):
+        with tempfile.TemporaryFile() as err:
+            sys.stdout.flush(); sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:                                   # the child: cli.main, as `python -m chexflow` runs it
+                os.dup2(err.fileno(), 2)
+                os.environ.pop(errors.DEBUG_ENV, None)
+                if mode == "loud":
+                    os.environ[errors.DEBUG_ENV] = "1"
+                def boom(args, exc=exc):
+                    raise exc
+                cli.cmd_keep_log = boom
+                try:
+                    cli.main(["keep-log", "x.log"])
+                    code = 0
+                except SystemExit as stop:
+                    code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                except BaseException:                      # what the interpreter does with an uncaught one
+                    traceback.print_exc()
+                    code = 1
+                sys.stderr.flush()
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            err.seek(0)
+            out.setdefault(name, {})[mode] = {"code": os.waitstatus_to_exitcode(status),
+                                             "stderr": err.read().decode("utf-8", "replace")}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def forked_refusals() -> dict:
+    env = {**cli_env(), "PYTHONPATH": f"{Path(__file__).parent}:{cli_env()['PYTHONPATH']}"}
+    proc = subprocess.run([sys.executable, "-c", _FORKED_REFUSALS, *sorted(errors.REFUSALS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(errors.REFUSALS))
-def test_each_class_through_a_real_chexflow_process(name, classes):
+def test_each_class_through_a_real_chexflow_process(name, forked_refusals):
     """Each class of the table raised by a command of a real process running cli.main: exactly its
     line, its exit status, no traceback; with CHEXFLOW_DEBUG=1 the traceback, then the same line."""
-    module, name = classes[name].__module__, classes[name].__name__
-    code = (f"import importlib, sys\nfrom chexflow import cli\nimport test_errors as T\n"
-            f"cls = getattr(importlib.import_module({module!r}), {name!r})\n"
-            f"exc = OSError(2, 'No such file or directory', 'data/x.bin') if cls is OSError else T._instance(cls)\n"
-            f"def boom(args): raise exc\ncli.cmd_keep_log = boom\ncli.main(['keep-log', 'x.log'])\n")
-    env = {**cli_env(), "PYTHONPATH": f"{Path(__file__).parent}:{cli_env()['PYTHONPATH']}"}
-    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    runs = forked_refusals[name]
+    quiet = subprocess.CompletedProcess([], runs["quiet"]["code"], "", runs["quiet"]["stderr"])
     line = refused(quiet, errors.REFUSALS[name].code)
     assert line.startswith("chexflow keep-log: ") and line.endswith(todo(name))
-    loud = subprocess.run([sys.executable, "-c", code], env={**env, errors.DEBUG_ENV: "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert loud.returncode == quiet.returncode and "Traceback" in loud.stderr and loud.stderr.endswith(quiet.stderr)
+    loud = runs["loud"]
+    assert loud["code"] == quiet.returncode and "Traceback" in loud["stderr"] and loud["stderr"].endswith(quiet.stderr)
