@@ -23,6 +23,23 @@ from chexflow.data.config import ShardConfig  # noqa: E402
 VENV_BIN = Path(sys.executable).parent
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The container tests run last: their image builds in the background meanwhile (below)."""
+    items.sort(key=lambda item: item.get_closest_marker("container") is not None)
+
+
+def pytest_collection_finish(session):
+    """Start building the container tests' image when they are among the tests to run."""
+    if not session.config.option.collectonly and any(item.get_closest_marker("container") for item in session.items):
+        import test_container
+        test_container.start_background_build()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "test_container" in sys.modules:
+        sys.modules["test_container"].stop_background_build()
+
+
 def horovod_available() -> bool:
     try:
         import horovod.torch  # noqa: F401
