@@ -176,7 +176,7 @@ def check_disjoint(work: Path, dataset: str = "nih_demo") -> set[str]:
     assert metrics["test_split"]["shared_patients"] == 0 and metrics["test_split"]["n_patients"] == len(test)
     # where each number was measured: the training's host (from the model file) and the evaluation's
     assert metrics["training_host"] == record["host"] and metrics["host"]["cpu_model"] == host.cpu_model()
-    assert record["host"]["backend"] == "horovod" and not host.problems(metrics["host"])
+    assert record["host"]["backend"] == record["config"]["backend"] and not host.problems(metrics["host"])
     return trained
 
 

@@ -151,68 +151,60 @@ def _ckpt_steps(work: Path) -> list[int]:
     return sorted(checkpoint_step(p) for p in ckpt.list_checkpoints(d))
 
 
-BACKENDS_RESUME = BACKENDS
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
-@pytest.mark.parametrize("backend", BACKENDS_RESUME)
-def test_kill_and_rerun_equals_uninterrupted(reference_runs, demo_manifest, tmp_path, backend, sig):
-    seed = int(os.environ.get("CHEXFLOW_KILL_SEED") or time.time_ns() % 2**32)
-    print(f"kill step drawn with seed {seed} (rerun: CHEXFLOW_KILL_SEED={seed})")   # shown on failure
-    target = random.Random(seed).choice([3, 5, 7])
-    work = tmp_path / "w"
-    work.mkdir()
-    proc = start(backend, 2, train_cfg(backend), demo_manifest, work, "first")
+def _wait_for_checkpoint(proc: subprocess.Popen, work: Path, step: int, log: str) -> None:
+    """Until the run in ``work`` has a checkpoint at ``step`` or later (it must still be running then)."""
     deadline = time.time() + 300
-    while time.time() < deadline and (not _ckpt_steps(work) or _ckpt_steps(work)[-1] < target - 2):
+    while time.time() < deadline and (not _ckpt_steps(work) or _ckpt_steps(work)[-1] < step):
         if proc.poll() is not None:
             break
         time.sleep(0.2)
-    assert proc.poll() is None, "run finished before it could be interrupted:\n" + (work / "first.log").read_text()[-2000:]
-    # one rank only (not rank 0): with -9 there is no checkpoint on the way out and the launcher
-    # must fail, not hang; with -TERM the ranks agree at the next check and all stop at one step,
-    # rank 0 writing the checkpoint although it never received the signal itself
-    os.kill(rank_pid(work, 1), sig)
-    code = proc.wait(timeout=120)
-    assert code != 0
-    assert not (work / "out" / "model.pt").exists(), "an interrupted run must not leave the declared output"
-    log = (work / "first.log").read_text()
-    if sig == signal.SIGTERM:
-        assert "SIGTERM received: checkpoint written" in log, log[-2000:]
-    code = run(backend, 2, train_cfg(backend), demo_manifest, work, "second")
-    log2 = (work / "second.log").read_text()
-    assert code == 0, log2[-3000:]
-    assert "resuming from" in log2
-    ref = weights(reference_runs[backend], "run", 0)
-    got = weights(work, "second", 0)
-    for k in ref:
-        assert torch.equal(ref[k], got[k]), f"{k} differs after kill -{sig.name} + resume"
-    hr, hw = history(reference_runs[backend]), history(work)
-    assert [r["train_loss"] for r in hw] == pytest.approx([r["train_loss"] for r in hr], rel=1e-6)
-    assert [r["val_loss"] for r in hw] == [r["val_loss"] for r in hr]
+    assert proc.poll() is None, "run finished before it could be interrupted:\n" + (work / log).read_text()[-2000:]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dead_rank_fails_job_quickly(demo_manifest, tmp_path, backend):
+def test_interrupted_twice_then_rerun_equals_uninterrupted(reference_runs, demo_manifest, tmp_path, backend):
+    """A run stopped twice and rerun each time ends bit-identical to the uninterrupted one.
+
+    1. kill -TERM to rank 1 (not rank 0): the ranks agree at the next check and all stop at one step,
+       rank 0 writing the checkpoint although it never received the signal itself;
+    2. the rerun resumes there; kill -9 to rank 0 (no checkpoint on the way out): the launcher fails
+       the job quickly instead of hanging in a collective, and no rank outlives it;
+    3. the second rerun resumes from the last periodic checkpoint and finishes."""
+    seed = int(os.environ.get("CHEXFLOW_KILL_SEED") or time.time_ns() % 2**32)
+    print(f"kill steps drawn with seed {seed} (rerun: CHEXFLOW_KILL_SEED={seed})")   # shown on failure
+    first_at = random.Random(seed).choice([3, 5])
     work = tmp_path / "w"
     work.mkdir()
-    cfg = train_cfg(backend, epochs=50)
-    proc = start(backend, 2, cfg, demo_manifest, work, "dead")
-    deadline = time.time() + 300
-    pids = []
-    while time.time() < deadline and len(pids) < 2:
-        pids = rank_pids(work)
-        time.sleep(0.2)
-    while time.time() < deadline and not _ckpt_steps(work):
-        time.sleep(0.2)
+    proc = start(backend, 2, train_cfg(backend), demo_manifest, work, "first")
+    _wait_for_checkpoint(proc, work, first_at - 2, "first.log")
+    os.kill(rank_pid(work, 1), signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    assert not (work / "out" / "model.pt").exists(), "an interrupted run must not leave the declared output"
+    assert "SIGTERM received: checkpoint written" in (work / "first.log").read_text()
+    stopped = _ckpt_steps(work)[-1]
+
+    proc = start(backend, 2, train_cfg(backend), demo_manifest, work, "second")
+    _wait_for_checkpoint(proc, work, stopped + 4, "second.log")
+    assert f"at step {stopped}" in (work / "second.log").read_text()            # resumed where TERM stopped it
+    pids = rank_pids(work)
     assert len(pids) == 2
-    victim = pids[-1]
     t0 = time.time()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(rank_pid(work, 0), signal.SIGKILL)
     code = proc.wait(timeout=90)
     elapsed = time.time() - t0
-    assert code != 0
+    assert code != 0 and not (work / "out" / "model.pt").exists()
     assert elapsed < 60, f"job took {elapsed:.0f}s to fail after a rank died"
     time.sleep(1)
-    left = rank_pids(work)
-    assert left == [], "no rank may outlive the job"
+    assert rank_pids(work) == [], "no rank may outlive the job"
+
+    code = run(backend, 2, train_cfg(backend), demo_manifest, work, "third")
+    log3 = (work / "third.log").read_text()
+    assert code == 0, log3[-3000:]
+    assert "resuming from" in log3
+    ref = weights(reference_runs[backend], "run", 0)
+    got = weights(work, "third", 0)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), f"{k} differs after kill -TERM, kill -9 and the reruns"
+    hr, hw = history(reference_runs[backend]), history(work)
+    assert [r["train_loss"] for r in hw] == pytest.approx([r["train_loss"] for r in hr], rel=1e-6)
+    assert [r["val_loss"] for r in hw] == [r["val_loss"] for r in hr]
