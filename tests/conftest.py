@@ -23,21 +23,29 @@ from chexflow.data.config import ShardConfig  # noqa: E402
 VENV_BIN = Path(sys.executable).parent
 
 
+# The suite runs on pytest-xdist workers (pyproject.toml: -n 3 --dist loadgroup): a test file is one unit
+# of work, so its module fixtures (a training run, a workflow) are built once; the SLURM files are one
+# unit (one cluster) and the container file another. Those two mostly wait (on SLURM's scheduling, on
+# the network and the disk while the image builds), so they start first and the other workers run
+# the CPU-bound files beside them.
+FIRST_GROUPS = ("container", "slurm")
+
+
+def xdist_group(item: pytest.Item) -> str:
+    name = item.path.name
+    if name == "test_container.py":
+        return "container"
+    if name.startswith("test_slurm"):
+        return "slurm"
+    return name
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    """The container tests run last: their image builds in the background meanwhile (below)."""
-    items.sort(key=lambda item: item.get_closest_marker("container") is not None)
-
-
-def pytest_collection_finish(session):
-    """Start building the container tests' image when they are among the tests to run."""
-    if not session.config.option.collectonly and any(item.get_closest_marker("container") for item in session.items):
-        import test_container
-        test_container.start_background_build()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if "test_container" in sys.modules:
-        sys.modules["test_container"].stop_background_build()
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    order = {group: i for i, group in enumerate(FIRST_GROUPS)}
+    items.sort(key=lambda item: order.get(xdist_group(item), len(order)))
 
 
 def horovod_available() -> bool:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -147,47 +145,6 @@ def _build(tag: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.monotonic() - start
 
 
-# The image's cold build (about 15 minutes here) is mostly waiting on the network and the disk (Debian
-# packages, 5 GB of wheels unpacked, layers written: 5.7 CPU-minutes of 26 on a loaded machine). So it
-# starts in the background when the session's tests are collected (conftest.py) and the suite runs
-# beside it; the container tests come last and take the image from it.
-_BACKGROUND: dict = {}
-
-
-def start_background_build() -> None:
-    """Start building the tests' image, if this machine can (root, buildah, mmdebstrap)."""
-    if not (shutil.which("buildah") and shutil.which("mmdebstrap") and os.geteuid() == 0) or _BACKGROUND:
-        return
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(_build_command(TAG), cwd=REPO, stdout=out, stderr=err, text=True,
-                            start_new_session=True)        # its own process group: stopped whole
-    _BACKGROUND.update(proc=proc, out=out, err=err, start=time.monotonic())
-
-
-def stop_background_build() -> None:
-    """The session ended before its image was used (a -x stop, a keyboard interrupt): no build left behind."""
-    proc = _BACKGROUND.get("proc")
-    if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _background_build() -> tuple[subprocess.CompletedProcess, float]:
-    """The background build's outcome (waiting for it to end), or a build now if none was started."""
-    if not _BACKGROUND:
-        return _build(TAG)
-    code = _BACKGROUND["proc"].wait(timeout=3000)
-    out, err = _BACKGROUND["out"], _BACKGROUND["err"]
-    out.seek(0)
-    err.seek(0)
-    proc = subprocess.CompletedProcess(_build_command(TAG), code, out.read(), err.read())
-    assert code == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc, time.monotonic() - _BACKGROUND["start"]
-
-
 def _image_id(tag: str) -> str:
     return subprocess.run(["buildah", "images", "--format", "{{.ID}}", tag], capture_output=True, text=True,
                           check=True).stdout.split()[0]
@@ -196,9 +153,9 @@ def _image_id(tag: str) -> str:
 @pytest.fixture(scope="module")
 def image():
     """The image of this checkout (cold or from the cache of an earlier run), removed afterwards."""
-    proc, seconds = _background_build()
+    proc, seconds = _build(TAG)
     assert proc.stdout.strip().splitlines()[-1] == TAG           # the name is the last line
-    print(f"image {TAG} built in {seconds:.0f} s (started with the session)")
+    print(f"image {TAG} built in {seconds:.0f} s")
     yield TAG
     subprocess.run(["buildah", "rmi", TAG], capture_output=True)
     subprocess.run(["buildah", "rmi", "--prune"], capture_output=True)
