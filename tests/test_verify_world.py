@@ -35,7 +35,7 @@ MANIFEST_READS = 4      # TrainData.build reads it three times (read_manifest, t
 def launch(backend: str, manifest: Path, work: Path, tag: str, max_steps: int) -> tuple[list[dict], str]:
     cfg = train_cfg(backend, epochs=1, max_steps=max_steps)
     cmd = [sys.executable, "-m", "chexflow", "launch", "--backend", backend, "-n", str(WORLD), "--",
-           sys.executable, str(REPO / "tests/dist/train_io.py"), "--config-json", json.dumps(cfg),
+           sys.executable, str(REPO / "bench/first_step.py"), "--config-json", json.dumps(cfg),
            "--manifest", str(manifest), "--out-dir", str(work / "out"), "--ckpt-dir", str(work / "ckpt"),
            "--verified", str(work / "verified"), "--record", str(work / tag)]
     # warnings off: Python reads a warning's source file to show its line, bytes that are not this test's

@@ -1,11 +1,17 @@
-"""One rank of a real training run that records, for the tests, the bytes it reads (``rchar`` of
-/proc/self/io: every byte that read(2) returned, whatever the file system or page cache) before its
-first optimizer step: from the start of ``Trainer.fit``, and from the Trainer's construction (which
-reads the manifest). Started through `chexflow launch`."""
+"""One rank of a real training run that records what it reads and when, before its first optimizer
+step: the bytes (``rchar`` of /proc/self/io: every byte read(2) returned, whatever the file system
+or page cache) from the start of ``Trainer.fit`` and from the Trainer's construction (which reads
+the manifest), and the wall-clock time of that step. Started through `chexflow launch` by
+bench/scale_model.py and tests/test_verify_world.py:
+
+    chexflow launch -n 4 -- python bench/first_step.py --config-json '{...}' --manifest M \
+        --out-dir O --ckpt-dir C --verified V --record R      # R/rank<r>.json
+"""
 import argparse
 import linecache
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +51,8 @@ step = T.Trainer.train_step
 
 
 def first_step(self, *a, **k):
-    marks.setdefault("first_step", rchar())
+    if "first_step" not in marks:
+        marks.update(first_step=rchar(), first_step_at=time.time())
     return step(self, *a, **k)
 
 
@@ -55,6 +62,6 @@ code = trainer.fit()
 args.record.mkdir(parents=True, exist_ok=True)
 (args.record / f"rank{backend.rank}.json").write_text(json.dumps(
     {"fit": marks["first_step"] - marks["fit"], "trainer": marks["first_step"] - marks["trainer"],
-     "rank": backend.rank, "world": backend.size, "code": code}))
+     "first_step_at": marks["first_step_at"], "rank": backend.rank, "world": backend.size, "code": code}))
 backend.shutdown()
 sys.exit(code)
