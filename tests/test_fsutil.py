@@ -28,3 +28,15 @@ def test_write_text_and_checksum(tmp_path):
     assert (tmp_path / "a" / "b.txt").read_text() == "hello\n"
     assert sha256_file(tmp_path / "a" / "b.txt", chunk=2) == \
         "5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03"
+
+
+def test_two_writers_of_one_file_get_their_own_temporary_names(tmp_path):
+    """Two writers of one file with one pid (ranks or jobs on two nodes of a shared file system
+    have the same pids often enough) never share a temporary file: each rename moves a whole file."""
+    target = tmp_path / "stamps.json"
+    with atomic_path(target) as a, atomic_path(target) as b:
+        assert a != b and a.parent == b.parent == tmp_path
+        a.write_bytes(b"first writer")
+        b.write_bytes(b"second writer")
+    assert target.read_bytes() == b"first writer"       # the last to finish (the outer block) wins, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["stamps.json"]

@@ -36,7 +36,9 @@ def snakemake_slurm(cluster, workdir: Path, cfgfile: Path, *args: str, timeout: 
 
 
 def snakemake_slurm_cmd(cluster, workdir: Path, cfgfile: Path, *args: str) -> tuple[list[str], dict]:
-    env = {**cluster.env, "PATH": cli_env()["PATH"], "PYTHONPATH": cli_env()["PYTHONPATH"]}
+    # the jobs' verification stamps in the work directory (sbatch passes the environment on), not in ~/.cache
+    env = {**cluster.env, "PATH": cli_env()["PATH"], "PYTHONPATH": cli_env()["PYTHONPATH"],
+           "CHEXFLOW_VERIFIED_DIR": str(workdir / "verified")}
     # targets first: --configfile takes several values and would swallow them
     return [sys.executable, "-m", "snakemake", *args, "-s", str(REPO / "Snakefile"), "-d", str(workdir),
             "--profile", str(PROFILE), "--workflow-profile", str(CI_OVERLAY), "--configfile", str(cfgfile)], env
@@ -268,6 +270,11 @@ def test_requeued_training_job_resumes_from_its_checkpoint(slurm_demo):
     step = _signal_step(first, "SIGTERM")
     assert step and _resumed_from(attempts[1]) == [step], (first[-3000:], second[-3000:])
     assert second == (work / "logs/finetune/train.log").read_text()
+    # the demo's first fine-tuning hashed every train and val shard once; neither attempt here hashed any
+    hashed = r"(\d+) shards checked against the manifest's sha256: (\d+) hashed"
+    n, once = map(int, re.search(hashed, _attempt_logs(work, "finetune")[0].read_text()).groups())
+    assert n == once > 0
+    assert [re.search(hashed, text).groups() for text in (first, second)] == [(str(n), "0")] * 2, (first, second)
     _steps_lost("requeue during fine-tuning", attempts[0], attempts[1], _steps_per_epoch(first))
     hist = [json.loads(x) for x in (work / "results/finetune/metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in hist] == [1, 2, 3, 4]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from chexflow import host
+from chexflow.data.stamps import StampStore
 from chexflow.settings import from_dict
 from chexflow.train.config import TrainConfig
 from chexflow.train import checkpoint as ckpt
@@ -243,11 +244,16 @@ class NoCollectives(Backend):
         self._called("allreduce_max")
         return value
 
+    def allgather_object(self, obj):
+        self._called("allgather_object")
+        return [obj]
+
 
 @pytest.mark.slow
 def test_construction_runs_no_collective_and_staging_happens_in_fit(demo_manifest, tmp_path):
     """A Trainer is built without any communication (ranks may construct at different times); the
-    node-local staging copy and its barrier happen at the start of fit, before the model exists."""
+    node-local staging copy and the ranks' agreement on it happen at the start of fit, before the
+    model exists."""
     backend = NoCollectives()
     local = tmp_path / "node-local"
     t = trainer(cfg_of(max_steps=1, epochs=1, data={"stage_to": str(local)}), demo_manifest, tmp_path,
@@ -256,10 +262,13 @@ def test_construction_runs_no_collective_and_staging_happens_in_fit(demo_manifes
     assert t.steps_per_epoch == t.data.steps_per_epoch > 0
     assert not local.exists()
     assert t.fit() == 0
-    # whether rank 0 holds the checkpoint directory (its lease), then the staging barrier
-    assert backend.calls[:2] == ["broadcast_object", "barrier"]
+    # whether rank 0 holds the checkpoint directory (its lease), this start's token (the copies' stamps
+    # carry it), then every node's staging outcome (a refusal on one stops all, a barrier as well)
+    assert backend.calls[:3] == ["broadcast_object", "broadcast_object", "allgather_object"]
     staged = {p.name for p in (local / "chexflow-shards").iterdir()}
-    assert len(staged) == len(t.data.train_shards) + len(t.data.val_shards)
+    # the copies, and their stamps beside them (they live and die with the copies)
+    stamps = StampStore(local / "chexflow-shards", demo_manifest).path.name
+    assert stamps in staged and len(staged - {stamps}) == len(t.data.train_shards) + len(t.data.val_shards)
     assert all(str(s.path).startswith(str(local)) for s in t.data.train_shards + t.data.val_shards)
 
 

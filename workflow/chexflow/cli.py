@@ -34,6 +34,19 @@ def _load(cls, args):
     return load_stage_config(cls, path=args.config, text=args.config_json)
 
 
+def _verified_dir() -> Path | None:
+    """The folder of shard verification stamps (chexflow.data.stamps): ``$CHEXFLOW_VERIFIED_DIR``, else
+    the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``, usually on the shared home file system of a
+    cluster, so every node and every requeue sees it) ``/chexflow/verified``; ``off``: none kept."""
+    import os
+    chosen = os.environ.get("CHEXFLOW_VERIFIED_DIR")
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", "off", "none") else Path(chosen)
+    cache = os.environ.get("XDG_CACHE_HOME") or (os.path.join(os.environ["HOME"], ".cache") if os.environ.get("HOME")
+                                                 else None)
+    return Path(cache) / "chexflow" / "verified" if cache else None
+
+
 # --------------------------------------------------------------------------- stages
 
 def cmd_make_demo_release(args) -> None:
@@ -110,7 +123,7 @@ def cmd_train(args) -> None:
     from chexflow.train.trainer import TrainPaths
     cfg = _load(TrainConfig, args)
     outcome = start(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
-                                    pretrained=args.pretrained, tensorboard=args.tensorboard))
+                                    pretrained=args.pretrained, tensorboard=args.tensorboard, verified=_verified_dir()))
     if outcome.exit_code:
         sys.exit(outcome.exit_code)
 
@@ -158,7 +171,7 @@ def cmd_evaluate(args) -> None:
     cfg = _load(EvaluateConfig, args)
     res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir,
               expect_run_ids=_expected_run_ids(args), label_table=args.label_table, boxes=args.boxes,
-              box_frame=args.box_frame, heatmaps=not args.no_heatmaps)
+              box_frame=args.box_frame, heatmaps=not args.no_heatmaps, verified=_verified_dir())
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
@@ -222,7 +235,7 @@ def cmd_scale_point(args) -> None:
     pretrain = _load(TrainConfig, args)
     study = load_stage_config(ScalingConfig, text=args.scaling_json)
     scaling.run_point(pretrain, study, world=args.world, manifest=args.manifest, out_dir=args.out_dir,
-                      job_threads=args.job_threads)
+                      job_threads=args.job_threads, verified=_verified_dir())
 
 
 def cmd_scale_summary(args) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -42,7 +43,8 @@ def atomic_path(path: Path | str, *, fsync: bool = False) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    # the pid alone is not unique on a file system that several nodes share (two ranks or jobs writing one file)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{secrets.token_hex(4)}")
     try:
         yield tmp
         if fsync:

@@ -11,12 +11,13 @@ cropping, flipping and normalising run batched on the training device.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import json
 import math
 import os
-import shutil
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Iterator, NamedTuple
@@ -28,10 +29,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from chexflow.data import workers as _workers
 from chexflow.data.config import AugmentConfig
-from chexflow.data.manifest import ManifestError, ShardRef, read_manifest, split_shards, verify_shard, verify_shards
+from chexflow.data.manifest import (Alone, Checked, ManifestError, ShardRef, ShardVerifyError, World, read_manifest,
+                                    split_shards, verify_on_world, verify_shard, verify_shards)
+from chexflow.data.stamps import Stamp, StampStore
 from chexflow.fsutil import atomic_path, open_regular
 
-__all__ = ["ManifestError", "ShardRef", "read_manifest", "split_shards"]     # re-exported: read where shards are
+__all__ = ["Alone", "Checked", "ManifestError", "ShardRef", "ShardVerifyError", "StampStore", "World", "read_manifest",
+           "split_shards", "verify_on_world"]     # re-exported: read where shards are
 
 
 class SampleId(NamedTuple):
@@ -40,41 +44,105 @@ class SampleId(NamedTuple):
     image: str
 
 
-def stage_shards(shards: list[ShardRef], dest: Path, *, copy: bool = True) -> list[ShardRef]:
-    """Copy shards to node-local disk (the PRACE guide's advice) and check the copies against the
-    manifest's sha256; a copy already there that checks out is kept.
+def _staged_path(s: ShardRef, dest: Path) -> str:
+    src = Path(s.path)
+    return str(dest / f"{hashlib.sha1(str(src.parent).encode()).hexdigest()[:10]}-{src.name}")
 
-    ``copy=False`` only maps the paths: the other ranks of a node wait for the one that copies (and
-    check the copies when they build their streams).
+
+def stage_shards(shards: list[ShardRef], dest: Path, *, copy: bool = True, start: str = "",
+                 log=print) -> list[ShardRef]:
+    """Copy shards to node-local disk (the PRACE guide's advice), each checked against the
+    manifest's sha256 as it is copied (one read of the shared file system); returns the copies.
+
+    A copy already there is kept when its stamp in ``dest`` vouches for it (nothing read) or, failing
+    that, when it hashes right (a local read). The copies' stamps are written in ``dest``: they live
+    and die with the copies, and carry ``start`` (this start's token), so the node's other ranks of
+    this start use the fresh copies without reading them (:func:`verify_staged`).
+    ``copy=False`` only maps the paths: the other ranks of a node wait for the one that copies.
     """
     dest = Path(os.path.expandvars(str(dest)))
-    if copy:
-        dest.mkdir(parents=True, exist_ok=True)
-    out = []
-    for s in shards:
-        src = Path(s.path)
-        staged = replace(s, path=str(dest / f"{hashlib.sha1(str(src.parent).encode()).hexdigest()[:10]}-{src.name}"))
-        if copy and not _staged_ok(staged):
-            with atomic_path(staged.path) as tmp, open_regular(src, follow_symlinks=False) as fin:
-                with open(tmp, "wb") as fout:
-                    shutil.copyfileobj(fin, fout, 1 << 20)
-            verify_shard(replace(staged, name=f"{s.name or src.name} (copied from {src})"))
-        out.append(staged)
-    return out
+    staged = [replace(s, path=_staged_path(s, dest)) for s in shards]
+    if not copy or not shards:
+        return staged
+    dest.mkdir(parents=True, exist_ok=True)
+    store = StampStore(dest, shards[0].manifest or dest, log=log)
+    known, fresh = store.load(), {}
+    for src, dst in zip(shards, staged):
+        stamp = _kept_copy(dst, known.get(dst.path), start)
+        fresh[dst.path] = stamp or _copy_checked(src, dst, start)
+    store.save({path: stamp for path, stamp in fresh.items() if stamp is not None})
+    return staged
 
 
-def _staged_ok(staged: ShardRef) -> bool:
-    """Whether a staged copy is already there and checks out against the manifest's sha256."""
+def _kept_copy(staged: ShardRef, stamp: Stamp | None, start: str) -> Stamp | None:
+    """The stamp of a copy already there that checks out against the manifest's sha256 (by its stamp,
+    or hashed), else None (missing, stale or broken: copied again)."""
     if staged.sha256 is None or not os.path.lexists(staged.path):
-        return False
+        return None
     try:
-        verify_shard(staged)
+        return verify_shard(staged, stamp=stamp, start=start)
     except ManifestError:
-        return False
-    return True
+        return None
 
 
-def epoch_order(shards: list[ShardRef], *, epoch: int, seed: int, shuffle: bool) -> list[ShardRef]:
+def _copy_checked(src: ShardRef, staged: ShardRef, start: str) -> Stamp | None:
+    """Copy ``src`` to ``staged.path``, hashing the bytes as they pass; the copy takes its name only
+    when they are the manifest's (else :class:`ShardVerifyError` naming both)."""
+    h = hashlib.sha256()
+    with atomic_path(staged.path) as tmp, open_regular(src.path, follow_symlinks=False) as fin:
+        with open(tmp, "wb") as fout:
+            while block := fin.read(1 << 20):
+                h.update(block)
+                fout.write(block)
+        if src.sha256 is not None and h.hexdigest() != src.sha256:
+            name = f"{src.name or os.path.basename(src.path)} (copied from {src.path})"
+            raise ShardVerifyError(
+                f"{staged.path}: shard {name!r} of {src.manifest or 'its manifest'}: its sha256 "
+                f"{h.hexdigest()[:16]}... is not the manifest's {src.sha256[:16]}...: changed, cut short, or another "
+                "dataset's shard; refused")
+    if src.sha256 is None:
+        return None
+    checked_ns = time.time_ns()
+    return Stamp.of(os.stat(staged.path, follow_symlinks=False), src.sha256, checked_ns=checked_ns, start=start)
+
+
+def verify_staged(staged: list[ShardRef], dest: Path, *, start: str, log=print) -> None:
+    """Check the node-local copies a node's copying rank made (:func:`stage_shards`): by the stamps it
+    wrote in ``dest`` for this ``start``, nothing read; a copy without a stamp that vouches for it is
+    hashed."""
+    dest = Path(os.path.expandvars(str(dest)))
+    known = StampStore(dest, staged[0].manifest or dest, log=log).load() if staged else {}
+    for ref in staged:
+        verify_shard(ref, stamp=known.get(ref.path), start=start)
+
+
+def first_readers(shards: list[ShardRef], *, world: int, seed: int, batch_size: int, backward_passes: int = 1,
+                  samples_per_epoch: int | None = None, shuffle: bool = True) -> list[int]:
+    """For each shard, the rank that checks it (``chexflow.data.manifest.verify_on_world``): the one
+    whose slice of the first epoch (:func:`plan_epoch`, epoch 0) holds its first sample, so a rank
+    hashes only shards it reads in that epoch. Shards no rank reads in the first epoch (the remainder
+    under one global step, samples past ``samples_per_epoch``, empty shards) go to the ranks in turn."""
+    order = epoch_order(list(range(len(shards))), epoch=0, seed=seed, shuffle=shuffle)
+    if shuffle:
+        per_rank = epoch_steps(shards, world=world, batch_size=batch_size, backward_passes=backward_passes,
+                               samples_per_epoch=samples_per_epoch) * backward_passes * batch_size
+        bounds = [r * per_rank for r in range(world + 1)]
+    else:
+        bounds = [_split(epoch_samples(shards), world, r)[0] for r in range(world)] + [epoch_samples(shards)]
+    owners, unread, first = [0] * len(shards), [], 0
+    for i in order:
+        rank = bisect.bisect_right(bounds, first) - 1
+        if shards[i].count and 0 <= rank < world and first < bounds[-1]:
+            owners[i] = rank
+        else:
+            unread.append(i)
+        first += shards[i].count
+    for k, i in enumerate(unread):
+        owners[i] = k % world
+    return owners
+
+
+def epoch_order(shards: list, *, epoch: int, seed: int, shuffle: bool) -> list:
     """The shards of one epoch in reading order: shuffled by ``(seed, epoch)``, the same on every rank."""
     order = np.arange(len(shards))
     if shuffle:

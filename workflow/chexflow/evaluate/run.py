@@ -62,14 +62,16 @@ def expected_run_ids(train_cfgs: list[TrainConfig], manifest: Path, pretrained: 
 
 def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
         expect_run_ids: set[str] | None = None, label_table: Path | None = None, boxes: Path | None = None,
-        box_frame: int | None = None, heatmaps: bool = True) -> dict:
+        box_frame: int | None = None, heatmaps: bool = True, verified: Path | None = None) -> dict:
     """Evaluate the model file ``model_path`` on the test split of ``manifest`` into ``out_dir`` (tables,
     ``metrics.json``, and ``model.pt``: the model with its predict record, :mod:`.model_file`). The
     file must be a multi-label model of the manifest's labels and, with ``expect_run_ids``, carry one
     of those run ids (a stale model of other settings is refused naming both). ``label_table``: the
     release's label table (subgroups); ``boxes``: its box list in pixels of ``box_frame`` px square
     images (localisation scores; heatmaps of the top true/false positives are drawn either way).
-    ``heatmaps`` False: no Grad-CAM at all (the ablation's runs: the report shows the main model's)."""
+    ``heatmaps`` False: no Grad-CAM at all (the ablation's runs: the report shows the main model's).
+    ``verified``: the folder of shard verification stamps (chexflow.data.stamps): shards they vouch
+    for are not hashed again (a requeued evaluation hashes nothing unchanged)."""
     if boxes is not None and box_frame is None:
         raise ConfigError(f"{boxes}: the box list needs the side of the images its boxes refer to (--box-frame)")
     out_dir = Path(out_dir)
@@ -86,8 +88,12 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     model.to(device)
     crop = info["crop"]
 
-    val = predict(model, loader.split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
-    test = predict(model, loader.split_shards(manifest, "test"), crop=crop, batch_size=cfg.batch_size, device=device)
+    val_shards, test_shards = loader.split_shards(manifest, "val"), loader.split_shards(manifest, "test")
+    store = None if verified is None else loader.StampStore(verified, manifest)
+    print(loader.verify_on_world(val_shards + test_shards, [0] * (len(val_shards) + len(test_shards)),
+                                 loader.Alone(), store), flush=True)
+    val = predict(model, val_shards, crop=crop, batch_size=cfg.batch_size, device=device)
+    test = predict(model, test_shards, crop=crop, batch_size=cfg.batch_size, device=device)
     s, y, patients, images = test
 
     per_label = auroc_per_label(y, s, labels)

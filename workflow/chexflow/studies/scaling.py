@@ -70,8 +70,9 @@ def throughput_point(history: list[dict], *, world: int, scaling: ScalingConfig,
 
 
 def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, manifest: Path, out_dir: Path,
-              job_threads: int | None = None) -> None:
+              job_threads: int | None = None, verified: Path | None = None) -> None:
     """One rank of the scaling job for ``world`` ranks; rank 0 writes ``out_dir/throughput.json``.
+    ``verified``: the folder of shard verification stamps (chexflow.data.stamps).
 
     ``job_threads``: the cores of the job on this node, shared evenly by the ranks on this node
     (so world 1 and world 2 on a workstation use the same cores, without oversubscription).
@@ -85,7 +86,7 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
 
     cfg = train_config(pretrain, scaling, world)
     out_dir = Path(out_dir)
-    paths = TrainPaths(manifest=Path(manifest), out_dir=out_dir, ckpt_dir=out_dir / "checkpoints")
+    paths = TrainPaths(manifest=Path(manifest), out_dir=out_dir, ckpt_dir=out_dir / "checkpoints", verified=verified)
     backend = backend_for(cfg)
     code = 0
     try:

@@ -3,6 +3,7 @@ loaders and the augmentation (torchvision's reference scripts build the same onc
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -36,11 +37,23 @@ class TrainData:
                    val_shards=data.split_shards(manifest, "val"), steps_per_epoch=steps, cfg=cfg,
                    rank=rank, world=world)
 
-    def staged(self, dest: Path, *, copy: bool) -> "TrainData":
+    def staged(self, dest: Path, *, copy: bool, start: str = "", log: Callable[[str], None] = print) -> "TrainData":
         """The same data read from node-local copies under ``dest`` (``copy``: this rank copies;
         the node's other ranks only map the paths and must wait for it)."""
-        return replace(self, train_shards=data.stage_shards(self.train_shards, dest, copy=copy),
-                       val_shards=data.stage_shards(self.val_shards, dest, copy=copy))
+        shards = data.stage_shards(self.train_shards + self.val_shards, dest, copy=copy, start=start, log=log)
+        n = len(self.train_shards)
+        return replace(self, train_shards=shards[:n], val_shards=shards[n:])
+
+    def first_readers(self) -> list[int]:
+        """The rank that checks each shard of ``train_shards + val_shards``: the one that reads it first
+        (data.first_readers: training's first epoch, then validation's slices)."""
+        cfg = self.cfg
+        train = data.first_readers(self.train_shards, world=self.world, seed=cfg.seed, batch_size=cfg.batch_size,
+                                   backward_passes=cfg.horovod.backward_passes_per_step,
+                                   samples_per_epoch=cfg.data.samples_per_epoch)
+        val = data.first_readers(self.val_shards, world=self.world, seed=cfg.seed, batch_size=cfg.batch_size,
+                                 shuffle=False)
+        return train + val
 
     def train_stream(self) -> data.ShardStream:
         """This rank's training samples; ``set_epoch(epoch, skip_batches)`` selects the epoch."""
@@ -68,10 +81,40 @@ class TrainData:
         return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
-def stage_on_node(inputs: TrainData, *, dest: str, local_rank: int, barrier: Callable[[], None]) -> TrainData:
+def check_inputs(inputs: TrainData, world: data.World, *, local_rank: int, store: data.StampStore | None,
+                 log: Callable[[str], None]) -> TrainData:
+    """The shards checked against the manifest's sha256 before the first step (a collective), at a cost
+    that does not grow with the world: without staging each shard is checked by one rank, the one
+    that reads it first (``data.verify_on_world``; a shard ``store``'s stamp vouches for is not read);
+    with ``data.stage_to`` each node's copying rank checks the bytes as it copies them
+    (:func:`stage_on_node`). Returns the inputs to read (the node-local copies when staged)."""
+    if inputs.cfg.data.stage_to:
+        return stage_on_node(inputs, dest=inputs.cfg.data.stage_to, local_rank=local_rank, world=world, log=log)
+    log(str(data.verify_on_world(inputs.train_shards + inputs.val_shards, inputs.first_readers(), world, store)))
+    return inputs
+
+
+def stage_on_node(inputs: TrainData, *, dest: str, local_rank: int, world: data.World,
+                  log: Callable[[str], None]) -> TrainData:
     """Node-local copies of the shards: every rank reads other shards each epoch, so a node needs
-    them all; its local rank 0 copies them once, the node's other ranks wait and read the copies."""
+    them all; its local rank 0 copies them once, checking the bytes as they pass, while the node's
+    other ranks wait; they then use the copies by the stamps it wrote for this start, reading
+    nothing. A refusal on any node stops every rank (no rank waits in a later collective)."""
     local = Path(dest) / "chexflow-shards"
-    out = inputs.staged(local, copy=local_rank == 0)
-    barrier()
+    start = world.broadcast_object(secrets.token_hex(8) if world.rank == 0 else None)
+    failure = None
+    if local_rank == 0:
+        try:
+            inputs.staged(local, copy=True, start=start, log=log)
+        except Exception as exc:            # noqa: BLE001  (re-raised below, on this rank as it was)
+            failure = exc
+    said = None if failure is None else (isinstance(failure, data.ManifestError), str(failure))
+    failures = [f for f in world.allgather_object(said) if f]
+    if failure is not None:
+        raise failure
+    if failures:
+        refused, message = failures[0]
+        raise (data.ShardVerifyError if refused else RuntimeError)(f"staging failed on another rank: {message}")
+    out = inputs.staged(local, copy=False)
+    data.verify_staged(out.train_shards + out.val_shards, local, start=start, log=log)
     return out

@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from chexflow import host
+from chexflow.data.stamps import StampStore
 from chexflow.fsutil import write_text_atomic
 from chexflow.settings import to_dict, write_yaml_atomic
 from chexflow.train import checkpoint as ckpt
@@ -35,7 +36,7 @@ from chexflow.train import identity, lease, signals
 from chexflow.train.backends import Backend
 from chexflow.train.cadence import Cadence, Decision
 from chexflow.train.config import TrainConfig
-from chexflow.train.inputs import TrainData, stage_on_node
+from chexflow.train.inputs import TrainData, check_inputs
 from chexflow.train.losses import task_loss
 from chexflow.train.init_file import start_from
 from chexflow.train.models import build_model, freeze_backbone, param_groups
@@ -57,6 +58,7 @@ class TrainPaths:
     ckpt_dir: Path          # results/<stage>/checkpoints/ (not a declared output)
     pretrained: Path | None = None   # model.pt of the pretraining stage (init == pretrained)
     tensorboard: Path | None = None
+    verified: Path | None = None     # the folder of verification stamps (chexflow.data.stamps); None: none kept
 
 
 def _mix(*xs: int) -> int:
@@ -250,9 +252,12 @@ class Trainer:
 
     def _fit(self) -> int:
         cfg, backend = self.cfg, self.backend
+        # every shard checked before the first step, each by one rank (or, staged, one per node)
+        store = StampStore(self.paths.verified, self.paths.manifest, log=lambda m: _log(backend, m)) \
+            if self.paths.verified is not None else None
+        self.data = check_inputs(self.data, backend, local_rank=backend.local_rank, store=store,
+                                 log=lambda m: _log(backend, m))
         if cfg.data.stage_to:
-            self.data = stage_on_node(self.data, dest=cfg.data.stage_to, local_rank=backend.local_rank,
-                                      barrier=backend.barrier)
             _log(backend, f"staged {len(self.data.train_shards) + len(self.data.val_shards)} shards into "
                           f"{cfg.data.stage_to}")
         model, opt, sched = self._build()
