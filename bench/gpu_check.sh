@@ -144,6 +144,14 @@ if [[ " $STEPS " == *" bench "* ]]; then
     status[bench_predict]=failed
   fi
   say "predict: ${status[bench_predict]} ($(tail -1 "$RES/predict-$stamp.log"))"
+  say "scale model: what a GPU session must measure (bench/scale_model.py --gpu-inputs), then its inputs here"
+  "$PY" bench/scale_model.py --gpu-inputs >"$RES/scale_gpu_inputs-$stamp.txt" 2>&1 || true
+  if "$PY" bench/scale_model.py --measure --json "$RES/scale_inputs-$stamp.json" >"$RES/scale_inputs-$stamp.log" 2>&1; then
+    status[bench_scale_inputs]=done
+  else
+    status[bench_scale_inputs]=failed
+  fi
+  say "scale inputs: ${status[bench_scale_inputs]} (log $RES/scale_inputs-$stamp.log)"
   status[bench_s]=$(( $(date +%s) - start ))
 fi
 

@@ -2,12 +2,14 @@
 download from a file mirror -> patient-wise split -> shards -> manifest)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chexflow.data.config import ShardConfig  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
+
+# Shard verification stamps (chexflow.data.stamps) of this test process go to a folder of its own, not
+# to the user's ~/.cache: the tests' shards come and go by the thousand. Tests of the stamps set their own.
+if "CHEXFLOW_VERIFIED_DIR" not in os.environ:
+    os.environ["CHEXFLOW_VERIFIED_DIR"] = tempfile.mkdtemp(prefix="chexflow-test-verified-")
+    atexit.register(shutil.rmtree, os.environ["CHEXFLOW_VERIFIED_DIR"], ignore_errors=True)
 
 
 # The suite runs on pytest-xdist workers (pyproject.toml: -n 3 --dist loadgroup): a test file is one unit
