@@ -31,29 +31,34 @@ if "CHEXFLOW_VERIFIED_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["CHEXFLOW_VERIFIED_DIR"], ignore_errors=True)
 
 
-# The suite runs on pytest-xdist workers (pyproject.toml: -n 3 --dist loadgroup): a test file is one unit
-# of work, so its module fixtures (a training run, a workflow) are built once; the SLURM files are one
-# unit (one cluster) and the container file another. Those two mostly wait (on SLURM's scheduling, on
-# the network and the disk while the image builds), so they start first and the other workers run
-# the CPU-bound files beside them.
-FIRST_GROUPS = ("container", "slurm")
+# The suite runs on pytest-xdist workers (pyproject.toml: -n 3 --dist loadscope): a test file is one
+# unit of work, so its module fixtures (a training run, a workflow) are built once; the SLURM files are
+# one unit (one cluster). That unit and the container file mostly wait (on SLURM's scheduling; on the
+# network and the disk while the image builds), so they start first and the other workers run the
+# CPU-bound files beside them. (xdist's own loadgroup does not group under pytest 9: it renames
+# test ids through an attribute pytest 9 no longer reads; a scheduler of our own groups by file.)
+FIRST_GROUPS = ("tests/test_container.py", "slurm")
 
 
-def xdist_group(item: pytest.Item) -> str:
-    name = item.path.name
-    if name == "test_container.py":
-        return "container"
-    if name.startswith("test_slurm"):
-        return "slurm"
-    return name
+def xdist_group(nodeid: str) -> str:
+    """The unit of work of a test: its file, the SLURM files together."""
+    path = nodeid.split("::", 1)[0]
+    return "slurm" if Path(path).name.startswith("test_slurm") else path
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return FileGroups(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     order = {group: i for i, group in enumerate(FIRST_GROUPS)}
-    items.sort(key=lambda item: order.get(xdist_group(item), len(order)))
+    items.sort(key=lambda item: order.get(xdist_group(item.nodeid), len(order)))
 
 
 def horovod_available() -> bool:
