@@ -19,7 +19,10 @@
 # pip's index settings (index-url, extra-index-url, find-links, cert: `pip config list`, PIP_* variables)
 # are handed to the build, and the local directories and files they name are bind-mounted read-only.
 # Needs buildah (and mmdebstrap for the default base): `apt-get install buildah mmdebstrap`.
-# A second build of the same checkout reuses every cached layer (buildah --layers).
+# A second build of the same checkout reuses every cached layer (buildah --layers); a failed build leaves no
+# working container behind (--force-rm). The build needs about CHEXFLOW_IMAGE_FREE_GB (default 24) GB free
+# where buildah keeps its images and in its TMPDIR (the torch layer, ~7 GB, is written there while committed):
+# it refuses to start with less.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -53,6 +56,20 @@ if [ -n "$PYPREFIX" ]; then
   PYTHON=$PYPREFIX/bin/python3
   BASE_NAME=$BASE_NAME-python$("$PYTHON" -c 'import platform; print(platform.python_version())')
 fi
+
+# ---------------------------------------------------------------- room for it
+NEED_GB=${CHEXFLOW_IMAGE_FREE_GB:-24}
+GRAPHROOT=$(buildah info --format '{{.store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage)
+for dir in "$GRAPHROOT" "${TMPDIR:-/var/tmp}"; do
+  probe=$dir; while [ ! -d "$probe" ]; do probe=$(dirname "$probe"); done
+  free_kb=$(df -Pk "$probe" | awk 'NR==2 {print $4}')
+  if [ "$free_kb" -lt $(( NEED_GB * 1024 * 1024 )) ]; then
+    echo "build-image: $dir has $(( free_kb / 1024 / 1024 )) GB free, the build needs about $NEED_GB GB" \
+         "(images: buildah images; unused ones: buildah rmi --prune; stale working containers: buildah containers," \
+         "buildah rm; CHEXFLOW_IMAGE_FREE_GB sets the threshold)" >&2
+    exit 1
+  fi
+done
 
 # ---------------------------------------------------------------- the base
 if [ "$BASE" = mmdebstrap ]; then
@@ -120,7 +137,7 @@ fi
 # ---------------------------------------------------------------- build
 say "image: $TAG from $BASE (commit $COMMIT, isolation $ISOLATION)"
 start=$(date +%s)
-buildah bud --isolation "$ISOLATION" --layers -f envs/Containerfile -t "$TAG" \
+buildah bud --isolation "$ISOLATION" --layers --force-rm -f envs/Containerfile -t "$TAG" \
   --build-arg BASE="$BASE" --build-arg PYTHON="$PYTHON" --build-arg CHEXFLOW_SKIP_TORCH="$SKIP_TORCH" \
   --build-arg HOROVOD_GPU_OPERATIONS="$NCCL" --build-arg CHEXFLOW_COMMIT="$COMMIT" \
   --build-arg CHEXFLOW_PINS="$PINS" "${args[@]}" "${mounts[@]}" . >&2

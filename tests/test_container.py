@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,17 @@ def run_in(image: str, script: str, timeout: float = 1200) -> str:
 
 def _quote(s: str) -> str:
     return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+@needs_buildah
+def test_build_refuses_to_start_without_room_for_the_image_and_leaves_nothing():
+    before = subprocess.run(["buildah", "containers", "--quiet"], capture_output=True, text=True).stdout
+    proc = subprocess.run(_build_command("localhost/chexflow-test:no-room"), cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "CHEXFLOW_IMAGE_FREE_GB": "1000000"}, timeout=120)
+    assert proc.returncode == 1
+    assert re.search(r"build-image: /\S+ has \d+ GB free, the build needs about 1000000 GB", proc.stderr)
+    assert "buildah rmi --prune" in proc.stderr
+    assert subprocess.run(["buildah", "containers", "--quiet"], capture_output=True, text=True).stdout == before
 
 
 @in_image
