@@ -173,7 +173,12 @@ def check_disjoint(work: Path, dataset: str = "nih_demo") -> set[str]:
     metrics = json.loads((work / TARGET).read_text())
     assert metrics["model_run_id"] == record["run_id"] and metrics["model_run_id_checked"]
     assert metrics["test_split"]["sha256"] == identity.split_summary(manifest, "test")["sha256"]
-    assert metrics["test_split"]["shared_patients"] == 0 and metrics["test_split"]["n_patients"] == len(test)
+    # the patients of the test shards (a pilot's are those of the split table's test images it found)
+    root = work / "data/shards" / dataset
+    in_test_shards = set().union(*(_shard_patients(root / s["path"])
+                                   for s in json.loads(manifest.read_text())["splits"]["test"]["shards"]))
+    assert in_test_shards and in_test_shards <= test
+    assert metrics["test_split"]["shared_patients"] == 0 and metrics["test_split"]["n_patients"] == len(in_test_shards)
     # where each number was measured: the training's host (from the model file) and the evaluation's
     assert metrics["training_host"] == record["host"] and metrics["host"]["cpu_model"] == host.cpu_model()
     assert record["host"]["backend"] == record["config"]["backend"] and not host.problems(metrics["host"])

@@ -1,7 +1,7 @@
 """Every stage that reads shards keeps and uses the verification stamps (``$CHEXFLOW_VERIFIED_DIR``):
 a sweep trial hashes the train and val shards once, a scale point on the same data then hashes
-none, evaluation hashes only the test shards no stage checked before, and evaluation again (a
-requeue) hashes nothing: the bytes it reads fall by exactly the test shards' bytes."""
+none, evaluation checks every split (its leak check reads the training splits' patients) but hashes
+only the test shards no stage checked before, and evaluation again (a requeue) hashes nothing: the bytes it reads fall by exactly the test shards' bytes."""
 from __future__ import annotations
 
 import json
@@ -68,13 +68,13 @@ def test_a_sweep_trial_a_scale_point_and_evaluation_share_the_stamps(demo_manife
         return rchar() - before
 
     evaluation(None)                 # what a first evaluation in this process imports, read before counting
-    n_val_test = len(split["val"]) + len(split["test"])
+    n_all = n_train_val + len(split["test"])     # train's too: the leak check reads its patients
     capsys.readouterr()
     first = evaluation(verified)
-    assert checked(n_val_test, len(split["test"]), size["test"] / 2**20) in capsys.readouterr().out
+    assert checked(n_all, len(split["test"]), size["test"] / 2**20) in capsys.readouterr().out
     stamps = StampStore(verified, demo_manifest).path.stat().st_size
     requeue = evaluation(verified)
-    assert checked(n_val_test, 0, 0.0) in capsys.readouterr().out
+    assert checked(n_all, 0, 0.0) in capsys.readouterr().out
     # the same evaluation but for hashing the test shards (and a smaller stamp file read at its start)
     assert size["test"] - stamps <= first - requeue <= size["test"] + SLACK
     assert json.loads((tmp_path / "evaluate" / "metrics.json").read_text())["n_images"] == \

@@ -6,8 +6,10 @@ A model's run id covers what shapes its training, the train and val splits
 alone neither restart training nor make the model stale. What makes scoring it on the test split
 sound is checked here instead: the patients of the train and val shards and of the test shards
 (every shard checked against the manifest's sha256, the patients read from the samples'
-``meta.json``) share none. This reads every shard of the split once (the hash) plus the small
-``meta.json`` members: the size of the train split in I/O, once per evaluation.
+``meta.json``) share none. The hash is the shard check's (``chexflow.data.loader.verify_shards``):
+a shard this process has checked, or whose verification stamp vouches for it (evaluation checks every
+split it reads with the stamps first, and training stamped the train split), is not read again; what
+is left is the small ``meta.json`` members.
 """
 from __future__ import annotations
 
@@ -23,11 +25,16 @@ class PatientLeakError(ManifestError):
     """Test patients that are also train or val patients (names the manifest and some of them)."""
 
 
+def training_splits(manifest: Path) -> list[str]:
+    """The splits training reads that ``manifest`` has (a test patient must be in none of them)."""
+    return [s for s in TRAINING_SPLITS if s in (read_manifest(Path(manifest)).get("splits") or {})]
+
+
 def checked_test_split(manifest: Path) -> dict:
     """The test split of ``manifest``: its digest, counts and the patients checked against it, after
     :class:`PatientLeakError` for any test patient that is a patient of a training split."""
     manifest = Path(manifest)
-    present = [s for s in TRAINING_SPLITS if s in (read_manifest(manifest).get("splits") or {})]
+    present = training_splits(manifest)
     test = shard_patients(split_shards(manifest, "test"))
     checked = {}
     for split in present:

@@ -81,17 +81,21 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
         expect["run_id"] = ids[0] if len(ids) == 1 else frozenset(ids)
     else:
         print(f"{model_path}: run id not checked (no training settings given)", flush=True)
-    test_split = leakage.checked_test_split(Path(manifest))     # no test patient trained or selected on
+    # every shard evaluation reads, the training splits' for the leak check (by their stamps: training
+    # stamped them), hashed at most once, then no test patient trained or selected on
+    checked_splits = [*leakage.training_splits(Path(manifest)), "test"]
+    shards = {split: loader.split_shards(manifest, split) for split in checked_splits}
+    every = [ref for split in checked_splits for ref in shards[split]]
+    store = None if verified is None else loader.StampStore(verified, manifest)
+    print(loader.verify_on_world(every, [0] * len(every), loader.Alone(), store), flush=True)
+    test_split = leakage.checked_test_split(Path(manifest))
     model, info = load_model(model_path, expect=expect)
     labels = list(info["labels"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     crop = info["crop"]
 
-    val_shards, test_shards = loader.split_shards(manifest, "val"), loader.split_shards(manifest, "test")
-    store = None if verified is None else loader.StampStore(verified, manifest)
-    print(loader.verify_on_world(val_shards + test_shards, [0] * (len(val_shards) + len(test_shards)),
-                                 loader.Alone(), store), flush=True)
+    val_shards, test_shards = loader.split_shards(manifest, "val"), shards["test"]
     val = predict(model, val_shards, crop=crop, batch_size=cfg.batch_size, device=device)
     test = predict(model, test_shards, crop=crop, batch_size=cfg.batch_size, device=device)
     s, y, patients, images = test
