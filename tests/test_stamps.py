@@ -234,6 +234,33 @@ def test_writers_at_once_leave_one_whole_stamp_file(ds):
     assert sorted(p.name for p in ds.store.root.iterdir()) == [ds.store.path.name]
 
 
+def test_a_save_renamed_into_place_while_a_reader_opens_the_file_is_read_again(ds, monkeypatch):
+    """The race the writers above hit at random, made to happen: between the reader's check of the
+    stamp file and its open, another writer renames its save into place. The reader reads the new
+    file (a whole one) instead of ignoring the store; a file that keeps changing is still ignored."""
+    from chexflow import fsutil
+    ds.store.save({"/a": S.Stamp("a" * 64, 1, 1, 1, 1, 1, "s")})
+    real, renames, writing = fsutil.check_regular, [], []
+
+    def renamed_after_the_check(path, **kw):
+        st = real(path, **kw)
+        if len(renames) < limit and not writing:
+            renames.append(path)
+            writing.append(True)             # the other writer's own read of the file is not raced
+            other = S.StampStore(ds.store.root, ds.manifest, log=ds.log.append)
+            other.save({f"/b{len(renames)}": S.Stamp("b" * 64, 2, 2, 2, 2, 2, "t")})     # a new inode
+            writing.pop()
+        return st
+
+    monkeypatch.setattr(fsutil, "check_regular", renamed_after_the_check)
+    limit = 1
+    assert set(ds.store.load()) == {"/a", "/b1"} and ds.log == [] and len(renames) == 1
+    limit, renames[:] = S.RENAMED_RETRIES + 1, []             # replaced at every attempt
+    assert ds.store.load() == {}
+    assert len(renames) == S.RENAMED_RETRIES + 1
+    assert len(ds.log) == 1 and "replaced while being opened" in ds.log[0]
+
+
 # --------------------------------------------------------------------------- who checks which shard
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

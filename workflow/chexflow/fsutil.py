@@ -107,6 +107,12 @@ class NotRegularFile(OSError):
         return f"{self.filename}: {self.strerror}"
 
 
+class ReplacedWhileOpening(NotRegularFile):
+    """The path named another regular file when it was opened than when it was checked: a writer
+    renamed a new version into place in between (an atomic write), or someone swapped it. A reader
+    that expects concurrent atomic writers may try again; the file read is always the one checked."""
+
+
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
 
@@ -150,8 +156,10 @@ def open_regular(path: Path | str, *, follow_symlinks: bool = True, max_bytes: i
         raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+        if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(path, f"{file_kind(st.st_mode)} (replaced while being opened); not read")
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise ReplacedWhileOpening(path, "a regular file (replaced while being opened); not read")
         if max_bytes is not None and st.st_size > max_bytes:
             raise NotRegularFile(path, f"{what} of {st.st_size:,} bytes, more than the {max_bytes:,} allowed; "
                                        "not read", errno.EFBIG)

@@ -41,11 +41,12 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Callable
 
-from chexflow.fsutil import atomic_path, open_regular
+from chexflow.fsutil import ReplacedWhileOpening, atomic_path, open_regular
 
 FORMAT = 1
 SETTLE_NS = 2_000_000_000      # see the module docstring ("racy" stamps)
 MAX_BYTES = 64 << 20           # a stamp file: ~150 bytes per shard
+RENAMED_RETRIES = 5            # reads retried when a concurrent save renamed the file in between
 _SHA256_HEX = 64
 
 
@@ -129,7 +130,14 @@ class StampStore:
         if (why := self._refused()) is not None:
             return {}, why
         try:
-            with open_regular(self.path, follow_symlinks=False, max_bytes=MAX_BYTES, what="stamp file") as fh:
+            for attempt in range(RENAMED_RETRIES + 1):   # another rank or job renaming its save into place
+                try:
+                    fh = open_regular(self.path, follow_symlinks=False, max_bytes=MAX_BYTES, what="stamp file")
+                    break
+                except ReplacedWhileOpening:
+                    if attempt == RENAMED_RETRIES:
+                        raise
+            with fh:
                 why = _trusted(os.fstat(fh.fileno()), stat.S_ISREG, "regular file")
                 data = None if why else json.loads(fh.read(MAX_BYTES + 1))
         except (FileNotFoundError, NotADirectoryError):
