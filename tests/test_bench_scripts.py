@@ -31,7 +31,8 @@ def test_train_throughput_runs_its_three_measurements(tmp_path):
     # of each, relative to it)
     def slack(a: float, b: float) -> float:
         return 5e-4 + a / b * (0.05 / a + 0.05 / b)
-    for ratio, a, b in (("full_over_bare", "full_img_s", "bare_img_s"), ("loader_over_full", "loader_img_s", "full_img_s")):
+    for ratio, a, b in (("full_over_bare", "full_img_s", "bare_img_s"),
+                        ("loader_over_full", "loader_img_s", "full_img_s")):
         assert r[ratio] == pytest.approx(r[a] / r[b], abs=slack(r[a], r[b])), ratio
     assert "chexflow full" in proc.stdout and "loader alone" in proc.stdout
 

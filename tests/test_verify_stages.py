@@ -1,7 +1,8 @@
 """Every stage that reads shards keeps and uses the verification stamps (``$CHEXFLOW_VERIFIED_DIR``):
 a sweep trial hashes the train and val shards once, a scale point on the same data then hashes
 none, evaluation checks every split (its leak check reads the training splits' patients) but hashes
-only the test shards no stage checked before, and evaluation again (a requeue) hashes nothing: the bytes it reads fall by exactly the test shards' bytes."""
+only the test shards no stage checked before, and evaluation again (a requeue) hashes nothing: the
+bytes it reads fall by exactly the test shards' bytes."""
 from __future__ import annotations
 
 import json
