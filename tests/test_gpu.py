@@ -10,7 +10,9 @@ module covers what only a GPU shows:
   per-device gloo group (NCCL refuses two ranks on one device), Horovod with its allreduce
   staged through host memory (same reason);
 * one rank through NCCL (DDP's auto group ``cpu:gloo,cuda:nccl``): CUDA parameters broadcast by
-  NCCL, CPU flags and objects by gloo.
+  NCCL, CPU flags and objects by gloo;
+* ``init: file`` on CUDA: a torchvision-format file (read on the CPU, folded) loaded into a
+  channels_last bf16 model on the GPU, which trains from it.
 On one GPU the results are not bit-identical across a resume (cuDNN kernels are not deterministic),
 so these tests check placement, exit codes, the resume point, agreement between ranks and finite,
 close losses.
@@ -25,6 +27,7 @@ import time
 
 import pytest
 import torch
+import torchvision
 
 from chexflow.settings import from_dict
 from chexflow.train.config import TrainConfig
@@ -33,6 +36,7 @@ from chexflow.train import trainer as T
 from chexflow.train.backends import Backend
 from conftest import horovod_available
 from test_distributed import _ckpt_steps, history, rank_pid, run, start, train_cfg, weights
+from test_init_file import _torchvision_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -129,3 +133,17 @@ def test_ddp_nccl_group_carries_cuda_and_cpu_tensors(demo_manifest, tmp_path):
     assert run("ddp", 1, cfg, demo_manifest, tmp_path) == 0, _why(tmp_path / "run.log")
     assert [r["epoch"] for r in history(tmp_path)] == [1]
     assert ckpt.list_checkpoints(tmp_path / "ckpt")
+
+
+def test_init_file_on_cuda_trains_from_the_files_weights(demo_manifest, tmp_path, capfd):
+    path = tmp_path / "resnet18-imagenet.pth"
+    sd = _torchvision_file(path, "resnet18", drop_counts=True)
+    t = _trainer(_cfg(max_steps=2, epochs=1, init="file", init_file=str(path)), demo_manifest, tmp_path)
+    assert t.device.type == "cuda" and t.channels_last and t.bf16
+    assert t.fit() == 0
+    assert f"initialised 120 backbone tensors from {path} (of its 122;" in "".join(capfd.readouterr())
+    trained = ckpt.load_model_file(tmp_path / "out" / "model.pt")["state_dict"]["layer4.1.conv2.weight"].cpu()
+    start_w = sd["layer4.1.conv2.weight"]
+    torch.manual_seed(123)
+    fresh = torchvision.models.resnet18(weights=None).state_dict()["layer4.1.conv2.weight"]
+    assert (trained.float() - start_w).norm() < 0.1 * (fresh - start_w).norm()
