@@ -127,6 +127,11 @@ if [[ " $STEPS " == *" bench "* ]]; then
     fi
     say "$arch: ${status[bench_$arch]} ($(tail -1 "$RES/throughput-$arch-$stamp.log"))"
   done
+  say "the loader's start per epoch: workers per pass vs once per run ($WORKERS workers)"
+  "$PY" bench/loader_epoch_start.py --workers "$WORKERS" --batch 64 --steps 20 --passes 6 \
+    --json "$RES/loader_epoch_start-$stamp.json" >"$RES/loader_epoch_start-$stamp.log" 2>&1 \
+    && status[bench_loader_start]=done || status[bench_loader_start]=failed
+  say "loader start: ${status[bench_loader_start]} ($(tail -1 "$RES/loader_epoch_start-$stamp.log"))"
   say "optimizer step by kernel implementation (for-loop / foreach / fused) on CUDA"
   arch_list=$(echo "$ARCHS" | tr ' ' ',')
   if "$PY" bench/optimizer_step.py --device cuda --archs "$arch_list" --optims adam,sgd \

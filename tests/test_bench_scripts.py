@@ -47,3 +47,16 @@ def test_machine_speed_prints_its_figure_and_host(tmp_path):
     cores = r["cores"]
     assert r["img_s_1_thread"] > 0 and r[f"img_s_{cores}_threads"] > 0
     assert r["host"]["cores"] == cores and "machine speed:" in proc.stdout and r["host"]["cpu_model"] in proc.stdout
+
+
+def test_loader_epoch_start_compares_the_same_passes(tmp_path):
+    out = tmp_path / "start.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "loader_epoch_start.py"), "--workers", "1",
+                           "--batch", "4", "--steps", "3", "--passes", "2", "--size", "16", "--arch", "resnet18", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["workers"], r["batch"], r["batches_per_pass"]) == (1, 4, 3)
+    assert r["pass_ratio_fresh_over_kept"] == pytest.approx(r["fresh"]["pass_s"] / r["kept"]["pass_s"])
+    assert r["start_saved_per_pass_s"] == pytest.approx(r["fresh"]["pass_s"] - r["kept"]["pass_s"])
+    assert "fresh / kept" in proc.stdout

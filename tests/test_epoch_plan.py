@@ -4,6 +4,7 @@ resume that continues the batch sequence exactly (plan_epoch, ShardStream, torch
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 from collections import defaultdict
 from pathlib import Path
 
@@ -194,6 +195,34 @@ def test_real_loader_skip_gives_the_exact_tail(uneven, workers):
             assert len(tail) == m - k
             for (a, b, c), (x, y, z) in zip(tail, full[k:]):
                 assert torch.equal(a, x) and torch.equal(b, y) and c == z
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_persistent_loader_serves_every_pass_as_a_fresh_loader_does(uneven, workers):
+    """The trainer's loader forks its workers once: each pass (an epoch, a resume's tail, a pass left
+    after two batches as a stop leaves it) gives exactly the batches a fresh loader gives for the
+    same ``set_epoch``, from the same worker processes; ``close_loader`` stops them."""
+    batch = 2
+    fresh = L.ShardStream(uneven, rank=1, world=2, seed=7, batch_size=batch, shuffle_buffer=6)
+    stream = L.ShardStream(uneven, rank=1, world=2, seed=7, batch_size=batch, shuffle_buffer=6)
+    loader = L.make_loader(stream, batch_size=batch, workers=workers, pin_memory=False, persistent=True)
+    pids: set[int] | None = None
+    try:
+        for epoch, skip, take in ((0, 0, None), (1, 0, 2), (1, 3, None), (2, 0, None), (2, 0, None)):
+            fresh.set_epoch(epoch, skip_batches=skip)
+            want = _batches(fresh, workers, batch)
+            stream.set_epoch(epoch, skip_batches=skip)
+            got = list(itertools.islice(iter(loader), take))
+            assert len(got) == (len(want) if take is None else take) > 0
+            for (a, b, c), (x, y, z) in zip(got, want):
+                assert torch.equal(a, x) and torch.equal(b, y) and c == z, (epoch, skip)
+            now = {w.pid for w in loader._iterator._workers}
+            assert len(now) == workers and (pids is None or now == pids), "workers started again"
+            pids = now
+    finally:
+        L.close_loader(loader)
+    alive = {p.pid for p in multiprocessing.active_children()}
+    assert pids and not pids & alive
 
 
 def test_skipped_samples_are_not_decoded(tmp_path):

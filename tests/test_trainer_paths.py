@@ -6,6 +6,7 @@ resume on another world size. Multi-rank behaviour is in test_distributed.py; CU
 from __future__ import annotations
 
 import json
+import multiprocessing
 
 import pytest
 import torch
@@ -288,3 +289,31 @@ def test_the_trainer_learns_a_learnable_task(fashion_manifest, tmp_path):
     print(f"val accuracy {row['val_metric']:.3f}, val loss {row['val_loss']:.3f}")     # shown with -rP
     assert row["val_metric_name"] == "accuracy" and row["step"] == 50
     assert row["val_metric"] > 0.6 and row["val_loss"] < 1.2
+
+
+class WorkerWatch(T.Trainer):
+    """Records the training and validation loaders' worker processes after each epoch."""
+
+    def _end_epoch(self, *args, **kwargs):
+        out = super()._end_epoch(*args, **kwargs)
+        self.seen.append(tuple(frozenset(w.pid for w in loader._iterator._workers) for loader in self.loaders))
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lr", [0.05, 1e30])
+def test_loader_workers_start_once_per_run_and_stop_with_it(demo_manifest, tmp_path, lr):
+    """One set of workers serves every epoch's pass and another every validation; both are gone when
+    fit() returns, after a finished run and after a stop (here: divergence) alike."""
+    cfg = cfg_of(epochs=3, data={"workers": 1, "samples_per_epoch": 64}, optim={"lr": lr},
+                 check_every_steps=2 if lr > 1 else 20)
+    paths = T.TrainPaths(manifest=demo_manifest, out_dir=tmp_path / "out", ckpt_dir=tmp_path / "ckpt")
+    t = WorkerWatch(cfg, paths, Backend())
+    t.seen = []
+    assert t.fit() == (0 if lr < 1 else T.EXIT_DIVERGED)
+    if lr < 1:
+        assert len(t.seen) == 3 and len(set(t.seen)) == 1, t.seen
+        train_pids, val_pids = t.seen[0]
+        assert len(train_pids) == len(val_pids) == 1 and not train_pids & val_pids
+    assert all(loader._iterator is None for loader in t.loaders)
+    assert not multiprocessing.active_children()

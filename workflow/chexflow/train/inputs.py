@@ -64,8 +64,9 @@ class TrainData:
                                 shuffle_buffer=cfg.data.shuffle_buffer)
 
     def loader(self, stream: data.ShardStream, *, pin_memory: bool):
+        """A loader whose workers serve every epoch of the run (``data.close_loader`` stops them)."""
         return data.make_loader(stream, batch_size=self.cfg.batch_size, workers=self.cfg.data.workers,
-                                pin_memory=pin_memory)
+                                pin_memory=pin_memory, persistent=True)
 
     def val_loader(self, *, pin_memory: bool):
         """Every validation sample once across the ranks, in stored order."""

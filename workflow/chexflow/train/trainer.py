@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from chexflow import host
+from chexflow.data import loader as data_loader
 from chexflow.data.stamps import StampStore
 from chexflow.fsutil import write_text_atomic
 from chexflow.settings import to_dict, write_yaml_atomic
@@ -272,14 +273,20 @@ class Trainer:
                       f"{', channels_last' if self.channels_last else ''}{', bf16' if self.bf16 else ''}"
                       f"{', compiled' if cfg.compile else ''}")
         writer = self._tensorboard()
-        stream = self.data.train_stream()
-        while prog.epoch < cfg.epochs and (prog.step < self.cadence.total_steps or prog.unvalidated()):
-            code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
-            if code:
-                return code
-            self._end_epoch(model, opt, sched, prog, stats, writer)
-        self._finish(model, prog)
-        return 0
+        stream, pin = self.data.train_stream(), self.device.type == "cuda"
+        # the loaders' workers are forked once and serve every epoch and every validation pass
+        self.loaders = (self.data.loader(stream, pin_memory=pin), self.data.val_loader(pin_memory=pin))
+        try:
+            while prog.epoch < cfg.epochs and (prog.step < self.cadence.total_steps or prog.unvalidated()):
+                code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
+                if code:
+                    return code
+                self._end_epoch(model, opt, sched, prog, stats, writer)
+            self._finish(model, prog)
+            return 0
+        finally:
+            for loader in self.loaders:
+                data_loader.close_loader(loader)
 
     @property
     def best_path(self) -> Path:
@@ -294,7 +301,7 @@ class Trainer:
         backend = self.backend
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
         val_loss, val_metric, metric_name = validate(model, self.data, backend, self.device, bf16=self.bf16,
-                                                     channels_last=self.channels_last)
+                                                     channels_last=self.channels_last, loader=self.loaders[1])
         per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
         complete = prog.in_epoch >= self.steps_per_epoch
         row = {"epoch": prog.epoch + 1, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
@@ -325,7 +332,7 @@ class Trainer:
         stop (chexflow.train.cadence decides). Returns (exit code, stats): 0 when the epoch ended,
         EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
         stream.set_epoch(prog.epoch, skip_batches=prog.in_epoch * self.bpps)   # resume: batches not yet used
-        batches = iter(self.data.loader(stream, pin_memory=self.device.type == "cuda"))
+        batches = iter(self.loaders[0])                 # the workers start this epoch's pass (set above)
         self._train_mode(model)
         loss_sum, n_loss, nonfinite = self._epoch_sums(prog)
         bar, t0, start, code = self._progress_bar(prog), time.perf_counter(), prog.in_epoch, 0
