@@ -91,7 +91,8 @@ def test_sigterm_to_every_process_with_loader_workers_checkpoints_and_resumes(de
     wait_for(lambda: "epoch 2/4" in log.read_text(), proc, log, "epoch 2")
     time.sleep(2)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, f"expected the 2 loader workers, found {workers}"
+    # the loaders' workers live for the run: 2 serving training, 2 validation (idle mid-epoch)
+    assert len(workers) == 4, f"expected 2 training and 2 validation loader workers, found {workers}"
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == EXIT_PREEMPTED, log.read_text()[-3000:]
     first = log.read_text()
