@@ -11,19 +11,26 @@
 #   of the chexflow package), run with envs/ on PYTHONPATH: python -m chexflow_install.slurm_plugin and
 #   python -m chexflow_install.horovod.
 #
-# Usage: bash envs/setup.sh [--test]
+# Usage: bash envs/setup.sh [--test] [--pins-only]
+# --pins-only: the venv and the pinned packages of envs/requirements.txt alone, no system package
+# (envs/Containerfile runs it before it copies the checkout, so a new commit reuses that layer).
 # Cluster users: load your site's compilers/CUDA/MPI modules first; set CHEXFLOW_SKIP_TORCH=1 to
 # keep a torch you installed yourself (Horovod is then built against it); HOROVOD_* variables
 # (HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME, ...) and MPICXX are passed to the Horovod build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-WITH_TESTS=0
+WITH_TESTS=0 PINS_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --test) WITH_TESTS=1 ;;
-    *) echo "usage: bash envs/setup.sh [--test]" >&2; exit 2 ;;
+    --pins-only) PINS_ONLY=1 ;;     # .venv with the pinned packages alone (the image's cached layer)
+    *) echo "usage: bash envs/setup.sh [--test] [--pins-only]" >&2; exit 2 ;;
   esac
+done
+# an empty PIP_*/HOROVOD_* variable (a build argument left empty) is not "unset" to pip or Horovod
+for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT HOROVOD_GPU_OPERATIONS HOROVOD_WITHOUT_GLOO; do
+  [ -n "${!v:-}" ] || unset "$v"
 done
 
 PY=${PYTHON:-python3}
@@ -31,6 +38,7 @@ say() { printf '\n[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 # ---------------------------------------------------------------- system packages
 pkgs=(dataset-fashion-mnist libopenmpi-dev openmpi-bin cmake g++)
+[ "$PINS_ONLY" = 1 ] && pkgs=()
 [ "$WITH_TESTS" = 1 ] && pkgs+=(chromium procps buildah mmdebstrap iproute2)
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   missing=()
@@ -51,12 +59,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 say "installing Python packages and chexflow (envs/requirements.txt)"
 .venv/bin/pip install -q --upgrade pip wheel setuptools
-if [ "${CHEXFLOW_SKIP_TORCH:-0}" = 1 ]; then
-  # (its `-e .[...]` line is relative to this directory, the checkout, not to the file)
-  grep -vE '^(torch|torchvision)==' envs/requirements.txt > .venv/requirements-notorch.txt
-  .venv/bin/pip install -q -r .venv/requirements-notorch.txt
-else
-  .venv/bin/pip install -q -r envs/requirements.txt
+# (its `-e .[...]` line is relative to this directory, the checkout, not to the file)
+skip='^$'
+[ "${CHEXFLOW_SKIP_TORCH:-0}" = 1 ] && skip='^(torch|torchvision)=='
+[ "$PINS_ONLY" = 1 ] && skip="$skip|^-e "
+grep -vE "$skip" envs/requirements.txt > .venv/requirements-install.txt
+.venv/bin/pip install -q -r .venv/requirements-install.txt
+if [ "$PINS_ONLY" = 1 ]; then
+  say "pinned packages installed; chexflow itself, the plugin's fix and Horovod: bash envs/setup.sh"
+  exit 0
 fi
 
 # the installers (envs/chexflow_install) run with envs/ in front of the module path

@@ -153,12 +153,14 @@ def _image_id(tag: str) -> str:
 
 @pytest.fixture(scope="module")
 def image():
-    """The image of this checkout (cold or from the cache of an earlier run), removed afterwards."""
+    """The image of this checkout, cold or from the cache of an earlier run. It is kept afterwards, as
+    the cache of the next run (the pinned packages' layer depends on envs/setup.sh and
+    envs/requirements.txt alone, so another commit reuses it); images no tag names any more (an earlier
+    commit's) are removed."""
     proc, seconds = _build(TAG)
     assert proc.stdout.strip().splitlines()[-1] == TAG           # the name is the last line
     print(f"image {TAG} built in {seconds:.0f} s")
     yield TAG
-    subprocess.run(["buildah", "rmi", TAG], capture_output=True)
     subprocess.run(["buildah", "rmi", "--prune"], capture_output=True)
 
 
