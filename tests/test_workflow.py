@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -12,7 +17,7 @@ import torch
 import yaml
 from sklearn.metrics import roc_auc_score
 
-from conftest import REPO, horovod_available, job_counts, snakemake
+from conftest import REPO, horovod_available, job_counts, module_scratch, snakemake
 
 CHAIN = ["download_file", "write_shards", "gather_shards", "pretrain_model", "finetune_model",
          "evaluate_model", "render_report"]
@@ -29,7 +34,7 @@ def tiny_config(backend: str) -> dict:
     for stage in ("pretrain", "finetune"):
         cfg[stage]["data"]["crop"] = 32
     cfg["pretrain"].update(epochs=2, batch_size=32)
-    cfg["finetune"].update(epochs=4, batch_size=16)
+    cfg["finetune"].update(epochs=2, batch_size=16)
     cfg["evaluate"]["bootstrap_resamples"] = 200
     return cfg
 
@@ -93,39 +98,59 @@ def test_invalid_config_key_fails_before_any_job(tmp_path):
     assert "learning_rate" in proc.stdout + proc.stderr
 
 
-def _chain_twice_config(backend: str) -> dict:
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
-    cfg["training"].update(backend=backend, data={"workers": 0, "shuffle_buffer": 64})
-    cfg["pretrain"].update(epochs=1, batch_size=32)
-    cfg["pretrain"]["data"] = {**cfg["pretrain"]["data"], "samples_per_epoch": 128, "shuffle_buffer": 64}
-    cfg["finetune"] = {**cfg["finetune"], "epochs": 2, "batch_size": 16}
-    cfg["finetune"]["data"] = {**cfg["finetune"]["data"], "samples_per_epoch": 64}
-    cfg["evaluate"]["bootstrap_resamples"] = 50
-    cfg["ablation"]["enabled"] = False
-    return cfg
+TRAINING_JOBS = ("pretrain_model", "finetune_model", "finetune_ablation")
+# two real ranks of two cores per training job (a workstation's default is one rank on one core): the
+# multi-rank chain, in the configuration this file's numbers were validated with (CPU runs are
+# deterministic for a given rank and thread count, not across them); every run of tiny_config uses them
+RANKS = ("--set-resources", *(f"{rule}:tasks=2" for rule in TRAINING_JOBS),
+         "--set-threads", *(f"{rule}=2" for rule in TRAINING_JOBS))
+
+
+@dataclass(frozen=True)
+class TinyRun:
+    work: Path
+    cfgfile: Path
+    proc: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, request) -> Iterator[TinyRun]:
+    """The whole workflow (`snakemake` with no target: every rule of `all`) at tiny scale in a fresh
+    directory, once for the tests of this file that read it (test_end_to_end_tiny checks it, the
+    reproducibility test runs it again beside it, the forcerun test starts from a copy of it)."""
+    with module_scratch(tmp_path_factory, request, "tiny") as work:
+        backend = "horovod" if horovod_available() else "ddp"
+        cfgfile = work / "config.yaml"
+        cfgfile.write_text(yaml.safe_dump(tiny_config(backend)))
+        yield TinyRun(work, cfgfile, snakemake(work, "--configfile", str(cfgfile), *RANKS))
+
+
+def _finished(run: TinyRun) -> Path:
+    assert run.proc.returncode == 0, (run.proc.stdout + run.proc.stderr)[-5000:]
+    return run.work
 
 
 @pytest.mark.slow
-def test_tiny_chain_twice_gives_identical_metrics(tmp_path, demo_manifest):
+@pytest.mark.timeout(1800)
+def test_tiny_chain_twice_gives_identical_metrics(tmp_path, tiny_run):
     """What is reproducible (docs/studies.md): the same chain run twice on one machine and software stack, in
-    two fresh directories, gives bit-identical models and byte-identical test metrics."""
-    backend = "horovod" if horovod_available() else "ddp"
-    runs = []
-    for name in ("a", "b"):
-        work = tmp_path / name
-        for dataset in ("nih_demo", "nih_demo_pretrain"):      # the demo shards stand in for both datasets
-            shutil.copytree(demo_manifest.parent, work / "data/shards" / dataset)
-        # evaluation reads the release's label table and boxes (subgroups, localisation); copy2 keeps
-        # their mtimes older than the shards', as in the build, so no shard job is due
-        (work / "data/raw/nih_demo").mkdir(parents=True)
-        for table in ("Data_Entry_2017_v2020.csv", "BBox_List_2017.csv"):
-            shutil.copy2(demo_manifest.parent.parent / "raw" / table, work / "data/raw/nih_demo" / table)
-        (work / "config.yaml").write_text(yaml.safe_dump(_chain_twice_config(backend)))
-        proc = snakemake(work, "--configfile", str(work / "config.yaml"), "--allowed-rules", "pretrain_model",
-                         "finetune_model", "evaluate_model", "--", "results/evaluate/metrics.json")
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-        runs.append(work)
-    a, b = runs
+    two fresh directories, gives bit-identical models and byte-identical test metrics. The first run is
+    tiny_run's; the second trains and evaluates on copies of its shards in a directory of its own."""
+    a = _finished(tiny_run)
+    b = tmp_path / "b"
+    shutil.copytree(a / "data/shards", b / "data/shards")
+    # evaluation reads the release's label table and boxes (subgroups, localisation); copy2 keeps
+    # their mtimes older than the shards', as in the build, so no shard job is due
+    (b / "data/raw/nih_demo").mkdir(parents=True)
+    for table in ("Data_Entry_2017_v2020.csv", "BBox_List_2017.csv"):
+        shutil.copy2(a / "data/raw/nih_demo" / table, b / "data/raw/nih_demo" / table)
+    shutil.copy2(tiny_run.cfgfile, b / "config.yaml")
+    proc = snakemake(b, "--configfile", str(b / "config.yaml"), *RANKS, "--allowed-rules", "pretrain_model",
+                     "finetune_model", "evaluate_model", "--", "results/evaluate/metrics.json")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert {k: v for k, v in job_counts(proc.stdout + proc.stderr).items() if k != "total"} == {
+        "pretrain_model": 1, "finetune_model": 1, "evaluate_model": 1}
+    cfg = yaml.safe_load(tiny_run.cfgfile.read_text())
     for name in ("metrics.json", "predictions.csv"):
         assert (a / "results/evaluate" / name).read_bytes() == (b / "results/evaluate" / name).read_bytes(), name
     for stage in ("pretrain", "finetune"):
@@ -135,28 +160,19 @@ def test_tiny_chain_twice_gives_identical_metrics(tmp_path, demo_manifest):
         timing = ("images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
         rows = [[{k: v for k, v in json.loads(x).items() if k not in timing}
                  for x in (w / f"results/{stage}/metrics.jsonl").read_text().splitlines()] for w in (a, b)]
-        assert rows[0] == rows[1] and len(rows[0]) == (1 if stage == "pretrain" else 2)
+        assert rows[0] == rows[1] and len(rows[0]) == cfg[stage]["epochs"]
     metrics = json.loads((a / "results/evaluate/metrics.json").read_text())
     assert metrics["n_images"] > 0 and 0.0 <= metrics["mean_auroc"] <= 1.0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_end_to_end_tiny(tmp_path):
-    backend = "horovod" if horovod_available() else "ddp"
-    cfgfile = tmp_path / "config.yaml"
-    cfgfile.write_text(yaml.safe_dump(tiny_config(backend)))
-    # two real ranks of two cores per training job (a workstation's default is one rank on one
-    # core): the multi-rank chain, in the configuration this test's numbers were validated with
-    # (CPU runs are deterministic for a given rank and thread count, not across them)
-    jobs = ("pretrain_model", "finetune_model", "finetune_ablation")
-    ranks = ["--set-resources", *(f"{rule}:tasks=2" for rule in jobs),
-             "--set-threads", *(f"{rule}=2" for rule in jobs)]
-    proc = snakemake(tmp_path, "--configfile", str(cfgfile), *ranks)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert "chexflow launch -n 2 chexflow train" in proc.stdout + proc.stderr
+def test_end_to_end_tiny(tiny_run):
+    work = _finished(tiny_run)
+    cfgfile = tiny_run.cfgfile
+    assert "chexflow launch -n 2 chexflow train" in tiny_run.proc.stdout + tiny_run.proc.stderr
 
-    report = tmp_path / "results/report/chexflow_report.html"
+    report = work / "results/report/chexflow_report.html"
     html = report.read_text()
     assert "SYNTHETIC" in html
     table = re.search(r'<table id="auroc-table">(.*?)</table>', html, re.S).group(1)
@@ -165,12 +181,12 @@ def test_end_to_end_tiny(tmp_path):
     assert len(rows) == 14
     values = [float(v) for _, v in rows]
     assert all(0.0 <= v <= 1.0 for v in values)
-    metrics = json.loads((tmp_path / "results/evaluate/metrics.json").read_text())
+    metrics = json.loads((work / "results/evaluate/metrics.json").read_text())
     print(f"test mean AUROC {metrics['mean_auroc']:.4f}")      # shown with -rP
     assert abs(sum(values) / 14 - metrics["mean_auroc"]) < 0.01
     # the evaluation's number is its predictions' own (recomputed with scikit-learn from the CSV,
     # whose scores are rounded to 6 digits), over every test image, and the scores are not constant
-    pred = pd.read_csv(tmp_path / "results/evaluate/predictions.csv")
+    pred = pd.read_csv(work / "results/evaluate/predictions.csv")
     recomputed = np.mean([roc_auc_score(pred[c], pred[f"{c}_score"]) for c in metrics["mean_auroc_labels"]])
     assert recomputed == pytest.approx(metrics["mean_auroc"], abs=1e-3)
     assert len(pred) == metrics["n_images"] and pred.filter(like="_score").std().min() > 0
@@ -178,67 +194,70 @@ def test_end_to_end_tiny(tmp_path):
     # its test AUROC sat at 0.51-0.56 by numerical luck (one core or two per rank, fused or for-loop
     # Adam). That training learns: test_trainer_paths.py::test_the_trainer_learns_a_learnable_task.
     # Pretraining happened and is in the report; every training job's loss falls
-    pre = [json.loads(x) for x in (tmp_path / "results/pretrain/metrics.jsonl").read_text().splitlines()]
+    pre = [json.loads(x) for x in (work / "results/pretrain/metrics.jsonl").read_text().splitlines()]
     # on the demo's phantom corpus: the 14 findings, multi-label
     assert len(pre) == 2 and pre[-1]["val_metric_name"] == "mean_auroc" and pre[-1]["world_size"] == 2
     for stage in ("pretrain", "finetune", "ablation/finetune"):
-        hist = [json.loads(x) for x in (tmp_path / f"results/{stage}/metrics.jsonl").read_text().splitlines()]
+        hist = [json.loads(x) for x in (work / f"results/{stage}/metrics.jsonl").read_text().splitlines()]
         assert hist[-1]["train_loss"] < hist[0]["train_loss"], stage
     assert "Pretraining" in html or "pretraining" in html
     # the default ablation: the summary states the gain of pretraining with its paired CI and a verdict
     assert 'id="pretraining-gain"' in html and "(paired, patients resampled)" in html
-    assert re.search(r'id="pretraining-verdict"[^>]*>\s*(Pretraining helps|Pretraining HURTS|No gain of pretraining)', html)
+    assert re.search(r'id="pretraining-verdict"[^>]*>\s*'
+                     r'(Pretraining helps|Pretraining HURTS|No gain of pretraining)', html)
     # a second run has nothing to do
-    again = snakemake(tmp_path, "--configfile", str(cfgfile), *ranks)
+    again = snakemake(work, "--configfile", str(cfgfile), *RANKS)
     assert again.returncode == 0
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
-def _small_config() -> dict:
-    """The demo at its smallest: two archives of 120 images a release, one rank, a few steps."""
-    cfg = _chain_twice_config("single")
-    cfg["demo_release"].update(n_images=240, image_size=32, images_per_archive=120)
-    cfg["demo_pretrain_release"].update(n_images=240, image_size=32, images_per_archive=120)
-    for ds in ("nih_demo", "nih_demo_pretrain"):
-        cfg["shards"][ds].update(image_size=32, samples_per_shard=100)
-    for stage in ("pretrain", "finetune"):
-        cfg[stage]["data"]["crop"] = 32
-    cfg["pretrain"]["data"]["samples_per_epoch"] = 64
-    cfg["evaluate"]["bootstrap_resamples"] = 20
-    return cfg
+def _copy_or_link_checkpoint(src: str, dst: str) -> None:
+    """copytree's copy function: a checkpoint (``checkpoints/step-*.pt``: written once, atomically, and
+    pruned by unlinking) is hard-linked, every other file copied with its mtime (shutil.copy2)."""
+    if Path(src).parent.name == "checkpoints" and Path(src).suffix == ".pt":
+        os.link(src, dst)
+    else:
+        shutil.copy2(src, dst)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_a_failed_forcerun_is_made_again_by_the_next_run(tmp_path):
+def test_a_failed_forcerun_is_made_again_by_the_next_run(tmp_path, tiny_run):
     """`snakemake --forcerun finetune_model` that fails deletes the job's outputs; Snakemake alone then
     finds "Nothing to be done" (a missing file whose dependants are up to date is left alone). The
     workflow lists what the report is made from as targets: the next plain run makes the model again,
-    then the evaluation and the report. The failed job's log ends with chexflow's one-line refusal."""
-    cfgfile = tmp_path / "config.yaml"
-    cfgfile.write_text(yaml.safe_dump(_small_config()))
-    first = snakemake(tmp_path, "--configfile", str(cfgfile))
-    assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
-    metrics = (tmp_path / "results/evaluate/metrics.json").read_bytes()
-    ckpt = tmp_path / "results/finetune/checkpoints"
-    ckpt.rename(tmp_path / "kept")
+    then the evaluation, the ablation's comparison and the report. The failed job's log ends with
+    chexflow's one-line refusal. On a copy of tiny_run's finished directory (its mtimes and .snakemake
+    records kept, its checkpoints hard-linked): the run resumed from them gives the same metrics. The
+    forced job runs as one plain process (backend single, one rank; under horovodrun its launcher and
+    the other ranks add tracebacks of their own) with Snakemake's mtime trigger only, so that the
+    changed backend makes no other job due; the next runs are tiny_run's, two Horovod or DDP ranks."""
+    work = tmp_path / "work"
+    shutil.copytree(_finished(tiny_run), work, symlinks=True, copy_function=_copy_or_link_checkpoint)
+    cfgfile = work / "config.yaml"
+    run = ("--configfile", str(cfgfile), *RANKS)
+    metrics = (work / "results/evaluate/metrics.json").read_bytes()
+    ckpt = work / "results/finetune/checkpoints"
+    ckpt.rename(work / "kept")
     ckpt.write_text("not a directory")              # the trainer cannot start: the forced job fails
-    failed = snakemake(tmp_path, "--configfile", str(cfgfile), "--forcerun", "finetune_model")
+    single = work / "single.yaml"
+    single.write_text(yaml.safe_dump(tiny_config("single")))
+    failed = snakemake(work, "--configfile", str(single), "--rerun-triggers", "mtime", "--forcerun", "finetune_model")
     assert failed.returncode != 0
-    assert not (tmp_path / "results/finetune/model.pt").exists()
-    log = (tmp_path / "logs/finetune/train.log").read_text()
+    assert not (work / "results/finetune/model.pt").exists()
+    log = (work / "logs/finetune/train.log").read_text()
     refusal = [line for line in log.splitlines() if line.startswith("chexflow train: ")]
     assert len(refusal) == 1 and refusal[0].startswith("chexflow train: results/finetune/checkpoints: "), log[-3000:]
     assert "Traceback" not in log and refusal[0] in failed.stdout + failed.stderr   # the profile shows the log
     ckpt.unlink()
-    (tmp_path / "kept").rename(ckpt)
-    dry = snakemake(tmp_path, "--configfile", str(cfgfile), "-n")
+    (work / "kept").rename(ckpt)
+    dry = snakemake(work, *run, "-n")
     assert "Nothing to be done" not in dry.stdout + dry.stderr
     assert {k: v for k, v in job_counts(dry.stdout).items() if k != "total"} == {
-        "finetune_model": 1, "evaluate_model": 1, "render_report": 1, "all": 1}
-    again = snakemake(tmp_path, "--configfile", str(cfgfile))
+        "finetune_model": 1, "evaluate_model": 1, "compare_ablation": 1, "render_report": 1, "all": 1}
+    again = snakemake(work, *run)
     assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
-    assert (tmp_path / "results/finetune/model.pt").is_file()
-    assert (tmp_path / "results/evaluate/metrics.json").read_bytes() == metrics    # the same run, resumed
-    last = snakemake(tmp_path, "--configfile", str(cfgfile))
+    assert (work / "results/finetune/model.pt").is_file()
+    assert (work / "results/evaluate/metrics.json").read_bytes() == metrics    # the same run, resumed
+    last = snakemake(work, *run)
     assert "Nothing to be done" in last.stdout + last.stderr
