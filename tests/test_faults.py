@@ -28,7 +28,7 @@ import pytest
 from chexflow.fsutil import link_numbered
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import lease
-from conftest import REPO, checkpoint_step, cli_env, snakemake
+from conftest import REPO, checkpoint_step, cli_env, horovod_available, snakemake
 
 EXIT_PREEMPTED = 143
 
@@ -289,3 +289,23 @@ def test_rerun_names_training_left_running_and_submits_nothing(tmp_path):
         orphan.kill()
         orphan.wait()
     assert lease.live_holders(tmp_path / "results", stale_s=600) == [], "its holder is gone: no objection"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [
+    pytest.param("horovod", marks=pytest.mark.skipif(not horovod_available(), reason="horovod not built")),
+    "ddp"])
+def test_a_checkpoint_directory_that_cannot_be_made_stops_every_rank_with_one_line(demo_manifest, tmp_path, backend):
+    """Was: rank 0 failed making the lease (here: the checkpoint directory's path is a file) and left
+    without telling the others; rank 1 waited in the broadcast and died with Horovod's traceback. Now
+    rank 0 hands the error to every rank, and each ends with chexflow's one-line refusal (exit 11)."""
+    (tmp_path / "ckpt").write_text("not a directory")
+    cmd = train_cmd(demo_manifest, tmp_path, backend=backend, epochs=1, data={"workers": 0})
+    launch = [sys.executable, "-m", "chexflow", "launch", "--backend", backend, "-n", "2", "--", *cmd]
+    proc = subprocess.run(launch, env=cli_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert len(re.findall(r"chexflow train: " + re.escape(str(tmp_path / "ckpt")) + ": File exists", out)) >= 2, \
+        out[-4000:]                                      # a line from each rank
+    # no rank died otherwise (horovodrun and torchrun add their own traceback of the failed job: theirs only)
+    assert not re.search(r'File "[^"]*/chexflow/', out) and "has been shut down" not in out, out[-4000:]

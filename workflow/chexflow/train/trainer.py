@@ -235,14 +235,18 @@ class Trainer:
     def _checkpoint_lease(self):
         """Rank 0 holds the checkpoint directory for the run (chexflow.train.lease); every rank learns
         whether it does, so that all train or all stop."""
-        held, refusal = None, None
+        held, refusal, failure = None, None, None
         if self.backend.is_root:
             try:
                 held = lease.acquire(self.paths.ckpt_dir, wait_s=self.cfg.checkpoint.lease_wait_s,
                                      stale_s=self.cfg.checkpoint.lease_stale_s, log=lambda m: _log(self.backend, m))
             except lease.LeaseHeld as exc:
                 refusal = str(exc)
-        refusal = self.backend.broadcast_object(refusal)
+            except OSError as exc:      # e.g. the directory is a file: every rank stops with it, none waits
+                failure = exc
+        refusal, failure = self.backend.broadcast_object((refusal, failure))
+        if failure is not None:
+            raise failure
         if refusal:
             _log(self.backend, refusal)
         try:
