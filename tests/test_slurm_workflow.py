@@ -343,7 +343,8 @@ def _newest_attempt_shows(work: Path, stage: str, pattern: str, proc, timeout: f
         if re.search(pattern, text):
             return text
         time.sleep(0.5)
-    newest = _attempt_logs(work, stage)[-1].read_text()
+    logs = _attempt_logs(work, stage)
+    newest = logs[-1].read_text() if len(logs) > after else f"(no attempt after the first {after})"
     raise AssertionError(f"no {pattern!r} in the newest {stage} log:\n" + newest[-4000:])
 
 
