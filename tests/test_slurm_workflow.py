@@ -2,10 +2,17 @@
 
 The demo chain at tiny scale with `--profile profiles/slurm` and the CI overlay (partition names
 and sizes only): every rule is a SLURM job on the partition the profile names, pretraining is one
-allocation of 2 nodes x 1 rank forming one Horovod world of 2 (OpenMPI via srun --mpi=pmix), and
-a fine-tuning failure fixed afterwards reruns fine-tuning and what follows, never pretraining,
-and a fine-tuning job requeued (preemption) or cancelled mid-run resumes from its checkpoint.
+allocation of 2 nodes x 1 rank forming one Horovod world of 2 (OpenMPI via srun --mpi=pmix).
 The demo runs once per module (fixture ``slurm_demo``); the tests after it build on its state.
+Each fault scenario costs a training run, so the faults that can share one are one sequence, its
+phases named in the failure messages:
+
+- one fine-tuning run: a fine-tuning failure fixed afterwards reruns fine-tuning and what follows,
+  never pretraining; the fixed job cancelled mid-run (Ctrl-C of Snakemake) leaves no output and the
+  same command resumes from its checkpoint; that job requeued mid-run (preemption) resumes again;
+- one pretraining run: a TIMEOUT after the warning signal, the retry resumes; a node of the retry set
+  down, SLURM requeues it, it resumes and the workflow runs through to the report;
+- one more pretraining run: Snakemake killed (kill -9) while it runs, then rerun.
 """
 from __future__ import annotations
 
@@ -94,32 +101,6 @@ def test_demo_on_slurm_every_rule_a_job_on_its_partition(slurm_demo):
     assert (work / "logs/pretrain/train.1.log").read_text() == plog
 
 
-def test_rerun_after_a_failure_redoes_only_what_failed(slurm_demo):
-    cluster, work, cfg, cfgfile, _ = slurm_demo
-    # fine-tuning fails on its data (a batch larger than the training split: only the job can know,
-    # settings alone fail before any job); pretraining stays done
-    pre_mtime = (work / "results/pretrain/model.pt").stat().st_mtime_ns
-    bad = json.loads(json.dumps(cfg))
-    bad["finetune"]["batch_size"] = 100000
-    cfgfile.write_text(yaml.safe_dump(bad))
-    proc = snakemake_slurm(cluster, work, cfgfile)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "Error in rule finetune_model" in log
-    assert "too little data for one step" in (work / "logs/finetune/train.log").read_text()
-    assert not (work / "results/finetune/model.pt").exists()
-
-    # fixed: only fine-tuning and what depends on it run again
-    cfgfile.write_text(yaml.safe_dump(cfg))
-    proc = snakemake_slurm(cluster, work, cfgfile)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    ran = set(re.findall(r"^rule (\w+):", log, re.M)) | set(re.findall(r"^localrule (\w+):", log, re.M))
-    assert {"finetune_model", "evaluate_model", "render_report"} <= ran, ran
-    assert "pretrain_model" not in ran and "write_shards" not in ran, ran
-    assert (work / "results/pretrain/model.pt").stat().st_mtime_ns == pre_mtime
-
-
 def _running_job(env, rule: str, work: Path) -> str | None:
     """The SLURM id of this workflow's running job of ``rule``: the plugin's comment ``rule_<name>`` (or
     ``rule_<name>_wildcards_...``) and its working directory ``work`` (the plugin submits with ``-D``
@@ -203,16 +184,6 @@ def _start_requeued_now(env, job: str) -> None:
         time.sleep(0.5)
 
 
-def _interrupt_finetune_mid_run(cluster, work: Path, cfg: dict, cfgfile: Path, action: list[str]):
-    """Start the workflow with a longer fine-tuning, wait for a fresh checkpoint, then `action` the job."""
-    cfgfile.write_text(yaml.safe_dump(cfg))
-    t0 = time.time()
-    proc, log = _start_snakemake(cluster, work, cfgfile, FINETUNE_ONLY)
-    job = _job_mid_training(cluster, work, proc, log, "finetune_model", "finetune", t0)
-    subprocess.run([*action, job], env=cluster.env, check=True)
-    return proc, job
-
-
 def _resumed_from(train_log: Path) -> list[int]:
     return [int(n) for n in re.findall(r"resuming from \S+ at step (\d+)", train_log.read_text())]
 
@@ -249,46 +220,50 @@ def _steps_per_epoch(text: str) -> int:
     return int(re.search(r"(\d+) steps/epoch", text).group(1))
 
 
-def test_requeued_training_job_resumes_from_its_checkpoint(slurm_demo):
-    """`scontrol requeue` (what preemption does): SIGTERM to every process of the job, loader workers
-    included (on by default); the trainer's checkpoint is the step the requeued run resumes at
-    (issue 18.1: the workers died first, the trainer crashed, 17 steps lost), each run its own log."""
+def _ran(log: str) -> set[str]:
+    """The rules a Snakemake run's log shows it ran (jobs and local rules)."""
+    return set(re.findall(r"^rule (\w+):", log, re.M)) | set(re.findall(r"^localrule (\w+):", log, re.M))
+
+
+def test_finetuning_failed_fixed_cancelled_requeued_resumes_and_never_redoes_pretraining(slurm_demo):
+    """One fine-tuning run through three faults, each phase named in its failure messages:
+
+    1. failure: fine-tuning fails on its data (a batch larger than the training split: only the job
+       can know, settings alone fail before any job); no fine-tuned model.
+    2. cancel: fixed (and another seed: a run of its own), the whole workflow again; `scancel` of the
+       job mid-run, which the plugin (2.8.0) never takes for a failure: the user stops Snakemake with
+       Ctrl-C (SIGINT); no final outputs; pretraining not run.
+    3. rerun + requeue: the same command again resumes from the cancelled job's checkpoint; mid-run
+       `scontrol requeue` (what preemption does): SIGTERM to every process of the job, loader workers
+       included (on by default); the trainer's checkpoint is the step the requeued run resumes at
+       (issue 18.1: the workers died first, the trainer crashed, 17 steps lost), each run its own log;
+       no attempt hashes a shard again (the demo's did); the workflow finishes: fine-tuning, evaluation
+       and the report ran again, pretraining and the shards never, pretraining's model untouched."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    longer = json.loads(json.dumps(cfg))
-    longer["finetune"]["epochs"] = 4
-    longer["finetune"]["checkpoint"] = {"every_steps": 5}      # over training.checkpoint, for this stage
-    longer["finetune"]["check_every_steps"] = 2         # the signal acted on within KillWait on a loaded machine
-    assert longer["training"]["data"]["workers"] >= 1, "the scenario needs loader workers (the default)"
+    pre_mtime = (work / "results/pretrain/model.pt").stat().st_mtime_ns
+    bad = json.loads(json.dumps(cfg))
+    bad["finetune"]["batch_size"] = 100000
+    cfgfile.write_text(yaml.safe_dump(bad))
+    proc = snakemake_slurm(cluster, work, cfgfile)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, "failure: the workflow succeeded with a batch larger than the data"
+    assert "Error in rule finetune_model" in log, "failure: " + log[-4000:]
+    assert "too little data for one step" in (work / "logs/finetune/train.log").read_text(), "failure"
+    assert not (work / "results/finetune/model.pt").exists(), "failure: a fine-tuned model was written"
+
+    # fixed: another seed (another run id: nothing of the demo's to resume), checks every 2 steps (a
+    # signal acted on within KillWait on a loaded machine), checkpoints every 5
+    fixed = json.loads(json.dumps(cfg))
+    fixed["finetune"]["seed"] = cfg["finetune"]["seed"] + 1
+    fixed["finetune"]["checkpoint"] = {"every_steps": 5}      # over training.checkpoint, for this stage
+    fixed["finetune"]["check_every_steps"] = 2
+    assert fixed["training"]["data"]["workers"] >= 1, "the scenario needs loader workers (the default)"
+    cfgfile.write_text(yaml.safe_dump(fixed))
     before = len(_attempt_logs(work, "finetune"))
-    proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scontrol", "requeue"])
-    _start_requeued_now(cluster.env, job)
-    assert proc.wait(timeout=900) == 0, (work / "logs/finetune/train.log").read_text()[-4000:]
-    attempts = _attempt_logs(work, "finetune")[before:]
-    assert len(attempts) == 2, attempts
-    first, second = (p.read_text() for p in attempts)
-    assert "killed by signal" not in first and "HorovodInternalError" not in first, first[-4000:]
-    step = _signal_step(first, "SIGTERM")
-    assert step and _resumed_from(attempts[1]) == [step], (first[-3000:], second[-3000:])
-    assert second == (work / "logs/finetune/train.log").read_text()
-    # the demo's first fine-tuning hashed every train and val shard once; neither attempt here hashed any
-    hashed = r"(\d+) shards checked against the manifest's sha256: (\d+) hashed"
-    n, once = map(int, re.search(hashed, _attempt_logs(work, "finetune")[0].read_text()).groups())
-    assert n == once > 0
-    assert [re.search(hashed, text).groups() for text in (first, second)] == [(str(n), "0")] * 2, (first, second)
-    _steps_lost("requeue during fine-tuning", attempts[0], attempts[1], _steps_per_epoch(first))
-    hist = [json.loads(x) for x in (work / "results/finetune/metrics.jsonl").read_text().splitlines()]
-    assert [h["epoch"] for h in hist] == [1, 2, 3, 4]
-    restarts = subprocess.run(["scontrol", "show", "job", job], env=cluster.env, capture_output=True,
-                              text=True).stdout
-    assert re.search(r"Restarts=[1-9]", restarts), restarts
-
-
-def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
-    cluster, work, cfg, cfgfile, _ = slurm_demo
-    longer = json.loads(json.dumps(cfg))
-    longer["finetune"]["epochs"] = 5
-    longer["finetune"]["checkpoint"] = {"every_steps": 5}      # over training.checkpoint, for this stage
-    proc, job = _interrupt_finetune_mid_run(cluster, work, longer, cfgfile, ["scancel"])
+    t0 = time.time()
+    proc, log = _start_snakemake(cluster, work, cfgfile)
+    job = _job_mid_training(cluster, work, proc, log, "finetune_model", "finetune", t0)
+    subprocess.run(["scancel", job], env=cluster.env, check=True)
     # snakemake-executor-plugin-slurm 2.8.0 never takes sacct's "CANCELLED by <uid>" for a failure
     # and would wait forever (docs/cluster.md): the user stops it with Ctrl-C
     deadline = time.time() + 120
@@ -298,18 +273,53 @@ def test_cancelled_training_job_leaves_no_output_and_rerun_resumes(slurm_demo):
         if state.startswith("CANCELLED"):
             break
         time.sleep(1)
-    assert state.startswith("CANCELLED"), state
+    assert state.startswith("CANCELLED"), f"cancel: job {job} is {state!r}"
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=180) != 0
-    assert not (work / "results/finetune/model.pt").exists()
-    assert not (work / "results/finetune/metrics.jsonl").exists()
+    assert proc.wait(timeout=180) != 0, "cancel: Snakemake succeeded after its job was cancelled"
+    assert not (work / "results/finetune/model.pt").exists(), "cancel: a fine-tuned model was written"
+    assert not (work / "results/finetune/metrics.jsonl").exists(), "cancel: fine-tuning metrics were written"
+    ran = _ran(log.read_text())
+    assert "pretrain_model" not in ran and "write_shards" not in ran, f"cancel: {ran}"
+
     # the same command again: fine-tuning resumes from the checkpoint the cancelled job left
-    proc = snakemake_slurm(cluster, work, cfgfile, FINETUNE_ONLY)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    steps = _resumed_from(work / "logs/finetune/train.log")
-    assert len(steps) == 1 and steps[0] > 0
+    t1 = time.time()
+    proc, log = _start_snakemake(cluster, work, cfgfile)
+    text = _newest_attempt_shows(work, "finetune", r"resuming from \S+ at step \d+", proc, timeout=900,
+                                 after=before + 1)
+    steps = _resumed_from(_attempt_logs(work, "finetune")[-1])
+    assert len(steps) == 1 and steps[0] > 0, "rerun: " + text[-3000:]
+    # mid-run (a checkpoint of its own, past the step it resumed at): requeued
+    job = _job_mid_training(cluster, work, proc, log, "finetune_model", "finetune", t1, min_step=steps[0] + 1)
+    subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
+    _start_requeued_now(cluster.env, job)
+    assert proc.wait(timeout=900) == 0, "requeue: " + log.read_text()[-6000:]
+    attempts = _attempt_logs(work, "finetune")[before:]
+    assert len(attempts) == 3, f"requeue: {attempts}"      # cancelled, rerun (requeued), requeued
+    cancelled, first, second = (p.read_text() for p in attempts)
+    assert _resumed_from(attempts[0]) == [], "cancel: the fixed run resumed from another run's checkpoint"
+    assert "killed by signal" not in first and "HorovodInternalError" not in first, "requeue: " + first[-4000:]
+    step = _signal_step(first, "SIGTERM")
+    assert step and _resumed_from(attempts[2]) == [step], ("requeue", first[-3000:], second[-3000:])
+    assert second == (work / "logs/finetune/train.log").read_text(), "requeue: train.log is not the last attempt's"
+    # the demo's first fine-tuning hashed every train and val shard once; no attempt here hashed any
+    hashed = r"(\d+) shards checked against the manifest's sha256: (\d+) hashed"
+    n, once = map(int, re.search(hashed, _attempt_logs(work, "finetune")[0].read_text()).groups())
+    assert n == once > 0
+    assert [re.search(hashed, text).groups() for text in (cancelled, first, second)] == [(str(n), "0")] * 3, \
+        ("shards hashed again", cancelled, first, second)
+    _steps_lost("scancel during fine-tuning", attempts[0], attempts[1], _steps_per_epoch(cancelled))
+    _steps_lost("requeue during fine-tuning", attempts[1], attempts[2], _steps_per_epoch(first))
     hist = [json.loads(x) for x in (work / "results/finetune/metrics.jsonl").read_text().splitlines()]
-    assert [h["epoch"] for h in hist] == [1, 2, 3, 4, 5]
+    assert [h["epoch"] for h in hist] == list(range(1, cfg["finetune"]["epochs"] + 1)), \
+        f"requeue: epochs {hist}"
+    restarts = subprocess.run(["scontrol", "show", "job", job], env=cluster.env, capture_output=True,
+                              text=True).stdout
+    assert re.search(r"Restarts=[1-9]", restarts), "requeue: " + restarts
+    # what the fix reran: fine-tuning and what depends on it, never pretraining
+    ran = _ran(log.read_text())
+    assert {"finetune_model", "evaluate_model", "render_report"} <= ran, f"rerun: {ran}"
+    assert "pretrain_model" not in ran and "write_shards" not in ran, f"rerun: {ran}"
+    assert (work / "results/pretrain/model.pt").stat().st_mtime_ns == pre_mtime, "pretraining's model rewritten"
 
 
 # ------------------------------------------------------------------ pretraining faults (issue 18)
@@ -324,25 +334,34 @@ def _pretrain_variant(cfg: dict, seed: int, epochs: int) -> dict:
     return out
 
 
-def _newest_attempt_shows(work: Path, stage: str, pattern: str, proc, timeout: float = 180) -> str:
+def _newest_attempt_shows(work: Path, stage: str, pattern: str, proc, timeout: float = 180, after: int = 0) -> str:
+    """The newest attempt log of ``stage`` once it shows ``pattern``; only attempts after the first ``after``."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        text = _attempt_logs(work, stage)[-1].read_text()
+        logs = _attempt_logs(work, stage)
+        text = logs[-1].read_text() if len(logs) > after else ""
         if re.search(pattern, text):
             return text
         time.sleep(0.5)
-    newest = _attempt_logs(work, stage)[-1].read_text()
+    logs = _attempt_logs(work, stage)
+    newest = logs[-1].read_text() if len(logs) > after else f"(no attempt after the first {after})"
     raise AssertionError(f"no {pattern!r} in the newest {stage} log:\n" + newest[-4000:])
 
 
-def test_time_limit_during_pretraining_checkpoints_and_the_retry_resumes(slurm_demo, tmp_path):
-    """A real TIMEOUT of 2-node pretraining with loader workers (issue 18.1: a worker died first, the
-    rank crashed, no checkpoint), after a time limit shorter than the 300 s warning (issue 18.2:
-    SLURM's USR1 "at once" killed both ranks). The job's end is moved while it runs (`scontrol
-    update EndTime=...`: SLURM's own warning and TIMEOUT at its next checks, whatever the machine's
-    speed): first 4 minutes ahead (USR1: checkpoint, go on), then to now (TIMEOUT: SIGTERM). The
-    retry (--retries 1) resumes at the SIGTERM checkpoint. The time limits come from a merging
-    overlay profile, one line (issue 18.5)."""
+def test_time_limit_then_node_failure_during_pretraining_resume_and_run_through_to_the_report(slurm_demo, tmp_path):
+    """One 2-node pretraining with loader workers (the whole workflow, --retries 1) through two faults:
+
+    1. time limit: a real TIMEOUT (issue 18.1: a worker died first, the rank crashed, no checkpoint),
+       after a time limit shorter than the 300 s warning (issue 18.2: SLURM's USR1 "at once" killed
+       both ranks). The job's end is moved while it runs (`scontrol update EndTime=...`: SLURM's own
+       warning and TIMEOUT at its next checks, whatever the machine's speed): first 4 minutes ahead
+       (USR1: checkpoint, go on), then to now (TIMEOUT: SIGTERM). The retry resumes at the SIGTERM
+       checkpoint. The time limits (`-t 9`, then `-t 10`) come from a merging overlay profile, one
+       line (issue 18.5).
+    2. node failure: `scontrol update nodename=<node> state=down` under the retry (issue 18.3): SLURM
+       requeues the job (NODE_FAIL), it resumes and finishes (COMPLETED); the plugin (patched by
+       envs/setup.sh) then submits fine-tuning, evaluation and the report normally instead of
+       `--exclude=None assigned`, and the report is made again."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
     cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=11, epochs=24)))
     overlay = tmp_path / "limits"
@@ -352,65 +371,58 @@ def test_time_limit_during_pretraining_checkpoints_and_the_retry_resumes(slurm_d
         "__variables__:\n  changes:\n    pretrain_model: {runtime: '9 if attempt == 1 else 10'}\n"
         f"set-resources: ?set_resources({str(CI_OVERLAY)!r}, changes)\n")
     before = len(_attempt_logs(work, "pretrain"))
+    report = work / "results/report/chexflow_report.html"
+    report_mtime = report.stat().st_mtime
     t0 = time.time()
-    proc, log = _start_snakemake(cluster, work, cfgfile, "results/pretrain/model.pt", "--retries", "1", "--verbose",
-                                 overlay=overlay)
+    proc, log = _start_snakemake(cluster, work, cfgfile, "--retries", "1", "--verbose", overlay=overlay)
     job = _job_mid_training(cluster, work, proc, log, "pretrain_model", "pretrain", t0)
     subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now+4minutes"], env=cluster.env, check=True)
     _newest_attempt_shows(work, "pretrain", r"SIGUSR1 received: checkpoint written at step \d+; continuing", proc)
     subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now"], env=cluster.env, check=True)
-    assert proc.wait(timeout=1200) == 0, log.read_text()[-6000:]
-    sbatch = [line for line in log.read_text().splitlines() if "sbatch call:" in line]
-    assert [bool(re.search(r" -t 9 ", sbatch[0])), bool(re.search(r" -t 10 ", sbatch[1]))] == [True, True], sbatch
-    state = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], env=cluster.env,
-                           capture_output=True, text=True).stdout.split()
-    assert state == ["TIMEOUT"], state
-    attempts = _attempt_logs(work, "pretrain")[before:]
-    assert len(attempts) == 2, attempts
-    first = attempts[0].read_text()
-    assert "User defined signal" not in first and "killed by signal" not in first, first[-4000:]
-    step = _signal_step(first, "SIGTERM")
-    assert step and step > _signal_step(first, "SIGUSR1") and _resumed_from(attempts[1]) == [step], first[-4000:]
-    _steps_lost("time limit during pretraining", attempts[0], attempts[1], _steps_per_epoch(first))
-    hist = [json.loads(x) for x in (work / "results/pretrain/metrics.jsonl").read_text().splitlines()]
-    assert [h["epoch"] for h in hist] == list(range(1, 25)) and all(h["world_size"] == 2 for h in hist)
-
-
-def test_node_failure_during_pretraining_runs_through_to_the_report(slurm_demo):
-    """`scontrol update nodename=<node> state=down` under 2-node pretraining (issue 18.3): SLURM
-    requeues the job, it resumes and finishes; the plugin (patched by envs/setup.sh) then submits
-    fine-tuning, evaluation and the report normally instead of `--exclude=None assigned`."""
-    cluster, work, cfg, cfgfile, _ = slurm_demo
-    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=12, epochs=6)))
-    before = len(_attempt_logs(work, "pretrain"))
-    report = work / "results/report/chexflow_report.html"
-    report_mtime = report.stat().st_mtime
-    t0 = time.time()
-    proc, log = _start_snakemake(cluster, work, cfgfile)
-    job = _job_mid_training(cluster, work, proc, log, "pretrain_model", "pretrain", t0, min_step=5)
-    nodes = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], env=cluster.env, capture_output=True,
+    # the retry (another job): once it resumed and wrote a checkpoint of its own, one of its nodes goes down
+    t1 = time.time()
+    text = _newest_attempt_shows(work, "pretrain", r"resuming from \S+ at step \d+", proc, timeout=900,
+                                 after=before + 1)
+    resumed = _resumed_from(_attempt_logs(work, "pretrain")[-1])
+    assert len(resumed) == 1, "time limit: " + text[-3000:]
+    retry = _job_mid_training(cluster, work, proc, log, "pretrain_model", "pretrain", t1, min_step=resumed[0] + 1)
+    assert retry != job, f"time limit: job {job} still runs after its TIMEOUT"
+    nodes = subprocess.run(["squeue", "-h", "-j", retry, "-o", "%N"], env=cluster.env, capture_output=True,
                            text=True).stdout.strip()
     victim = subprocess.run(["scontrol", "show", "hostnames", nodes], env=cluster.env, capture_output=True,
                             text=True).stdout.split()[-1]
     try:
         subprocess.run(["scontrol", "update", f"nodename={victim}", "state=down", "reason=chexflow test"],
                        env=cluster.env, check=True)
-        _start_requeued_now(cluster.env, job)
-        assert proc.wait(timeout=1500) == 0, log.read_text()[-6000:]
+        _start_requeued_now(cluster.env, retry)
+        assert proc.wait(timeout=1500) == 0, "node failure: " + log.read_text()[-6000:]
     finally:
         subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], env=cluster.env)
     text = log.read_text()
-    assert "None assigned" not in text, text[-6000:]
-    assert report.stat().st_mtime > report_mtime
-    rows = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], env=cluster.env,
-                          capture_output=True, text=True).stdout.split()
-    assert rows[0] == "NODE_FAIL" and rows[-1] == "COMPLETED", rows
+    sbatch = [line for line in text.splitlines() if "sbatch call:" in line and "rule_pretrain_model" in line]
+    assert len(sbatch) == 2 and [bool(re.search(r" -t 9 ", sbatch[0])), bool(re.search(r" -t 10 ", sbatch[1]))] \
+        == [True, True], f"time limit: {sbatch}"
+    state = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], env=cluster.env,
+                           capture_output=True, text=True).stdout.split()
+    assert state == ["TIMEOUT"], f"time limit: job {job} {state}"
     attempts = _attempt_logs(work, "pretrain")[before:]
-    assert len(attempts) == 2, attempts
-    _steps_lost("node failure during pretraining", attempts[0], attempts[1],
-                _steps_per_epoch(attempts[0].read_text()))
+    assert len(attempts) == 3, f"time limit + node failure: {attempts}"     # TIMEOUT, NODE_FAIL, completed
+    first = attempts[0].read_text()
+    assert "User defined signal" not in first and "killed by signal" not in first, "time limit: " + first[-4000:]
+    step = _signal_step(first, "SIGTERM")
+    assert step and step > _signal_step(first, "SIGUSR1") and _resumed_from(attempts[1]) == [step], \
+        "time limit: " + first[-4000:]
+    _steps_lost("time limit during pretraining", attempts[0], attempts[1], _steps_per_epoch(first))
+    # the node failure
+    assert "None assigned" not in text, "node failure: " + text[-6000:]
+    assert report.stat().st_mtime > report_mtime, "node failure: the report was not made again"
+    rows = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", retry, "-o", "State"], env=cluster.env,
+                          capture_output=True, text=True).stdout.split()
+    assert rows[0] == "NODE_FAIL" and rows[-1] == "COMPLETED", f"node failure: job {retry} {rows}"
+    assert _resumed_from(attempts[2]), "node failure: " + attempts[2].read_text()[-4000:]
+    _steps_lost("node failure during pretraining", attempts[1], attempts[2], _steps_per_epoch(first))
     hist = [json.loads(x) for x in (work / "results/pretrain/metrics.jsonl").read_text().splitlines()]
-    assert [h["epoch"] for h in hist] == list(range(1, 7))
+    assert [h["epoch"] for h in hist] == list(range(1, 25)) and all(h["world_size"] == 2 for h in hist), hist
 
 
 def test_killed_snakemake_then_rerun_names_the_orphaned_job_and_never_doubles_it(slurm_demo):
@@ -421,7 +433,7 @@ def test_killed_snakemake_then_rerun_names_the_orphaned_job_and_never_doubles_it
     advice is followed the rerun resumes; every attempt's log is kept. The orphan is suspended
     while the reruns run (it stays a live job, whatever the machine's speed)."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=13, epochs=6)))
+    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=13, epochs=3)))
     target = "results/pretrain/model.pt"
     before = len(_attempt_logs(work, "pretrain"))
     t0 = time.time()
