@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import stat
 import subprocess
@@ -20,7 +21,7 @@ import torch
 
 from chexflow.data import fashion_mnist, imagenet, nih
 from chexflow.data.archives import ArchiveError
-from chexflow.fsutil import NotRegularFile, check_regular, open_regular, read_regular
+from chexflow.fsutil import NotRegularFile, ReplacedWhileOpening, check_regular, open_regular, read_regular
 from chexflow.predict import files
 from chexflow.settings import from_dict
 from chexflow.train import checkpoint as ckpt
@@ -67,6 +68,23 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
         open_regular(tmp_path / "p")
     assert str(ei.value) == f"{tmp_path / 'p'}: a FIFO (named pipe), not a regular file; not read"
     assert ei.value.strerror == "a FIFO (named pipe), not a regular file; not read"
+
+
+def test_a_refusal_crosses_a_process_boundary_unchanged(tmp_path):
+    """The trainer hands rank 0's OSError to every rank by pickling it (broadcast_object): the copy
+    must name the same file, reason and errno, for the subclasses too."""
+    os.mkfifo(tmp_path / "p")
+    with pytest.raises(NotRegularFile) as ei:
+        open_regular(tmp_path / "p")
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 10)
+    with pytest.raises(NotRegularFile) as too_big:
+        open_regular(big, max_bytes=1)
+    for exc in (ei.value, too_big.value, ReplacedWhileOpening(tmp_path / "s", "a regular file (replaced); not read")):
+        copy = pickle.loads(pickle.dumps(exc))
+        assert type(copy) is type(exc)
+        assert (str(copy), copy.filename, copy.strerror, copy.errno) == (str(exc), exc.filename, exc.strerror,
+                                                                          exc.errno)
 
 
 def test_a_device_and_a_link_to_it_are_refused(tmp_path):

@@ -106,6 +106,11 @@ class NotRegularFile(OSError):
     def __str__(self) -> str:
         return f"{self.filename}: {self.strerror}"
 
+    def __reduce__(self):
+        # OSError pickles as cls(errno, strerror, filename), which this __init__ reads as (path, reason):
+        # a refusal sent to other ranks (broadcast_object) or processes would name the errno as its path
+        return type(self), (self.filename, self.strerror, self.errno)
+
 
 class ReplacedWhileOpening(NotRegularFile):
     """The path named another regular file when it was opened than when it was checked: a writer
