@@ -296,7 +296,8 @@ class WorkerWatch(T.Trainer):
 
     def _end_epoch(self, *args, **kwargs):
         out = super()._end_epoch(*args, **kwargs)
-        self.seen.append(tuple(frozenset(w.pid for w in loader._iterator._workers) for loader in self.loaders))
+        self.seen.append(tuple(frozenset(w.pid for w in loader._iterator._workers)
+                               for loader in (self.train_loader, self.val_loader)))
         return out
 
 
@@ -315,5 +316,5 @@ def test_loader_workers_start_once_per_run_and_stop_with_it(demo_manifest, tmp_p
         assert len(t.seen) == 3 and len(set(t.seen)) == 1, t.seen
         train_pids, val_pids = t.seen[0]
         assert len(train_pids) == len(val_pids) == 1 and not train_pids & val_pids
-    assert all(loader._iterator is None for loader in t.loaders)
+    assert t.train_loader._iterator is None and t.val_loader._iterator is None
     assert not multiprocessing.active_children()

@@ -279,7 +279,8 @@ class Trainer:
         writer = self._tensorboard()
         stream, pin = self.data.train_stream(), self.device.type == "cuda"
         # the loaders' workers are forked once and serve every epoch and every validation pass
-        self.loaders = (self.data.loader(stream, pin_memory=pin), self.data.val_loader(pin_memory=pin))
+        self.train_loader = self.data.loader(stream, pin_memory=pin)
+        self.val_loader = self.data.val_loader(pin_memory=pin)
         try:
             while prog.epoch < cfg.epochs and (prog.step < self.cadence.total_steps or prog.unvalidated()):
                 code, stats = self.train_one_epoch(model, opt, sched, stream, prog, writer)
@@ -289,8 +290,8 @@ class Trainer:
             self._finish(model, prog)
             return 0
         finally:
-            for loader in self.loaders:
-                data_loader.close_loader(loader)
+            data_loader.close_loader(self.train_loader)
+            data_loader.close_loader(self.val_loader)
 
     @property
     def best_path(self) -> Path:
@@ -305,7 +306,7 @@ class Trainer:
         backend = self.backend
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
         val_loss, val_metric, metric_name = validate(model, self.data, backend, self.device, bf16=self.bf16,
-                                                     channels_last=self.channels_last, loader=self.loaders[1])
+                                                     channels_last=self.channels_last, loader=self.val_loader)
         per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
         complete = prog.in_epoch >= self.steps_per_epoch
         row = {"epoch": prog.epoch + 1, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
@@ -336,7 +337,7 @@ class Trainer:
         stop (chexflow.train.cadence decides). Returns (exit code, stats): 0 when the epoch ended,
         EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
         stream.set_epoch(prog.epoch, skip_batches=prog.in_epoch * self.bpps)   # resume: batches not yet used
-        batches = iter(self.loaders[0])                 # the workers start this epoch's pass (set above)
+        batches = iter(self.train_loader)                 # the workers start this epoch's pass (set above)
         self._train_mode(model)
         loss_sum, n_loss, nonfinite = self._epoch_sums(prog)
         bar, t0, start, code = self._progress_bar(prog), time.perf_counter(), prog.in_epoch, 0

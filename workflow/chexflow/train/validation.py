@@ -15,10 +15,9 @@ from chexflow.train.losses import task_loss
 
 
 def validate(model, data: TrainData, backend: Backend, device: torch.device, *, bf16: bool,
-             channels_last: bool, loader=None) -> tuple[float, float, str]:
+             channels_last: bool, loader) -> tuple[float, float, str]:
     """(validation loss, metric, metric name) of ``model`` over the whole split, the same on every rank.
-    ``loader``: the run's validation loader (``data.val_loader``), built once; else one for this pass."""
-    loader = loader if loader is not None else data.val_loader(pin_memory=device.type == "cuda")
+    ``loader``: the run's validation loader (``data.val_loader``), built once per run."""
     model.eval()
     scores, targets_all = [], []
     loss_sum, count = torch.zeros((), device=device), 0
