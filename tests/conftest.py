@@ -15,6 +15,13 @@ from typing import Iterator
 
 import pytest
 
+# One thread per torch process, the workers' own included: the suite runs 3 xdist workers beside their
+# subprocesses on a 2-core machine, and torch's default (a thread per core) in each worker made the
+# threads of one parallel region wait on each other when the other worker had the second core: the
+# in-process training tests took 3-4x their time alone, in CPU as much as in wall time (OpenMP
+# waits spinning). Set before torch is imported here; subprocesses inherit it (cli_env).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(REPO / "envs"))            # chexflow_install: the installers (build tooling)
@@ -82,7 +89,6 @@ def cli_env() -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{REPO / 'workflow'}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

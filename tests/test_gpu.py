@@ -35,11 +35,18 @@ from chexflow.train import checkpoint as ckpt
 from chexflow.train import trainer as T
 from chexflow.train.backends import Backend
 from conftest import horovod_available
-from test_distributed import _ckpt_steps, history, rank_pid, run, start, train_cfg, weights
+from test_distributed import _ckpt_steps, history, rank_pid, run, start, weights
+from test_distributed import train_cfg as _train_cfg
 from test_init_file import _torchvision_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def train_cfg(backend: str, **over) -> dict:
+    """The distributed tests' run on the product's model, ResNet-18 (theirs is a smaller one): the GPU
+    path as it ran on an H200."""
+    return _train_cfg(backend, **{"model": {"arch": "resnet18"}, **over})
 
 
 def _cfg(**over) -> TrainConfig:

@@ -203,7 +203,7 @@ def test_the_settings_check_names_the_key(tmp_path):
 def test_a_fine_tune_from_a_file_through_the_cli(demo_manifest, tmp_path):
     path = tmp_path / "resnet18-imagenet.pth"
     sd = _torchvision_file(path, "resnet18", drop_counts=True)
-    cfg = train_cfg("single", init="file", init_file=str(path), epochs=1, max_steps=2,
+    cfg = train_cfg("single", init="file", init_file=str(path), model={"arch": "resnet18"}, epochs=1, max_steps=2,
                     data={"samples_per_epoch": 32})
     cmd = [sys.executable, "-m", "chexflow", "train", "--config-json", json.dumps(cfg), "--manifest",
            str(demo_manifest), "--out-dir", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt")]

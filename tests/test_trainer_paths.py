@@ -28,8 +28,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:for .*copying from a non-meta pa
 
 
 def cfg_of(**over) -> TrainConfig:
-    """The multi-rank tests' config on one process, with the CPU defaults (no GPU branch forced)."""
-    base = {"seed": 3, "channels_last": "auto", "check_every_steps": 20, "checkpoint": {"every_steps": 2, "keep": 5}}
+    """The multi-rank tests' config on one process, with the CPU defaults (no GPU branch forced), on the
+    product's model (ResNet-18: its stages, its compiled graph, its learning)."""
+    base = {"seed": 3, "channels_last": "auto", "check_every_steps": 20, "checkpoint": {"every_steps": 2, "keep": 5},
+            "model": {"arch": "resnet18"}}
     return from_dict(TrainConfig, train_cfg("single", **{**base, **over}))
 
 
@@ -281,6 +283,7 @@ def test_the_trainer_learns_a_learnable_task(fashion_manifest, tmp_path):
     far above chance (0.1), the loss far below log(10)."""
     cfg = from_dict(TrainConfig, train_cfg(
         "single", stage="pretrain", dataset="fashion_mnist", epochs=1, batch_size=64, seed=0, channels_last="auto",
+        model={"arch": "resnet18"},
         data={"crop": 32, "samples_per_epoch": 3200, "workers": 0, "shuffle_buffer": 500},
         optim={"name": "adam", "lr": 1e-3, "reference_batch": 64}, schedule={"warmup_epochs": 0.1},
         checkpoint={"every_steps": 0, "keep": 1}))

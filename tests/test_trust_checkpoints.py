@@ -220,8 +220,9 @@ def test_disk_full_names_path_free_space_and_cause_and_leaves_nothing(small_fs):
 
 @pytest.mark.slow
 def test_trainer_on_a_full_disk_fails_naming_the_checkpoint(demo_manifest, tmp_path, small_fs):
+    # ResNet-18: a checkpoint (85 MiB) larger than the small file system
     cfg = from_dict(TrainConfig, train_cfg("single", channels_last="auto", max_steps=2, epochs=1,
-                                               checkpoint={"every_steps": 1, "keep": 2}))
+                                               model={"arch": "resnet18"}, checkpoint={"every_steps": 1, "keep": 2}))
     t = T.Trainer(cfg, T.TrainPaths(manifest=demo_manifest, out_dir=tmp_path / "out", ckpt_dir=small_fs), Backend())
     with pytest.raises(ckpt.WriteError, match=r"step-000000001-\w+\.pt: not written: the file system is full"):
         t.fit()
@@ -374,7 +375,8 @@ def test_init_from_pretrained_refuses_another_architecture(demo_manifest, tmp_pa
     t = T.Trainer(cfg, T.TrainPaths(manifest=demo_manifest, out_dir=tmp_path / "out", ckpt_dir=tmp_path / "ckpt",
                                     pretrained=pre), Backend())
     model, opt, sched = t._build()
-    with pytest.raises(ckpt.ModelFileError, match=f"{pre}: refused: .*arch: the file's 'resnet34', expected 'resnet18'"):
+    with pytest.raises(ckpt.ModelFileError,
+                       match=f"{pre}: refused: .*arch: the file's 'resnet34', expected '{cfg.model.arch}'"):
         t._restore(model, opt, sched)
 
 
