@@ -68,6 +68,66 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: order.get(xdist_group(item.nodeid), len(order)))
 
 
+# The CPU time of each test file, printed after the slowest tests (the suite on 2 cores is bound by CPU,
+# and a test's wall time says little about its CPU: a SLURM test waits while a training test beside it
+# computes). Each phase of a test (setup, call, teardown) is timed in the process that runs it: its
+# own CPU and that of the processes it started and waited for (os.times counts a child once reaped;
+# SLURM's jobs run under slurmd and are not counted).
+CPU_FILES = 15                          # files listed
+_CPU_AT_START = pytest.StashKey[float]()
+_cpu_by_file: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_START] = _cpu_now()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    item.stash[_CPU_AT_START] = _cpu_now()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    item.stash[_CPU_AT_START] = _cpu_now()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _CPU_AT_START in item.stash:
+        # a new list: the report's is the item's own, shared by its three phases
+        report.user_properties = [*report.user_properties, ("cpu_s", _cpu_now() - item.stash[_CPU_AT_START])]
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "cpu_s":
+            path = report.nodeid.split("::", 1)[0]
+            _cpu_by_file[path] = _cpu_by_file.get(path, 0.0) + value
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput") or not _cpu_by_file:
+        return
+    terminalreporter.write_sep("=", f"CPU time by test file (the {CPU_FILES} largest)")
+    terminalreporter.write_line(f"{sum(_cpu_by_file.values()) / 60:.1f} CPU-minutes in all: the tests and the "
+                                "processes they waited for (SLURM's jobs not counted)")
+    for path, seconds in sorted(_cpu_by_file.items(), key=lambda kv: -kv[1])[:CPU_FILES]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+
+
 def horovod_available() -> bool:
     try:
         import horovod.torch  # noqa: F401
