@@ -155,6 +155,11 @@ def test_a_file_that_does_not_fit_is_refused_naming_it(tmp_path):
     with pytest.raises(InitFileError, match=re.escape(str(grey)) + r": refused: its stem conv1.weight is "
                        r"\(64, 1, 7, 7\), not the 3-channel \(RGB\) stem"):
         _load_r18(grey)
+    other = tmp_path / "shufflenet.pth"              # another architecture's file: its stem has another name
+    torch.save(torchvision.models.shufflenet_v2_x0_5(weights=None).state_dict(), other)
+    with pytest.raises(InitFileError, match=re.escape(str(other)) + r": refused: it holds no conv1.weight, the stem "
+                       r"torchvision's weights of this architecture have \(a file of another architecture\?\)"):
+        _load_r18(other)
     wrapped = tmp_path / "wrapped.pth"
     torch.save({"state_dict": sd, "epoch": 3}, wrapped)
     with pytest.raises(InitFileError, match=re.escape(str(wrapped)) + r": refused: not a torchvision-format"):

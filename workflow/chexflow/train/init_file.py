@@ -113,9 +113,12 @@ def fold_stem(model: torch.nn.Module, state: dict[str, torch.Tensor], *, mean: t
     name, conv, norm = _stem(model)
     key = f"{name}.weight"
     w = state.get(key)
-    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[1] != len(mean):
-        raise InitFileError(f"{source}: refused: its stem {key} is {None if w is None else tuple(w.shape)}, not "
-                            f"the {len(mean)}-channel (RGB) stem torchvision's weights of this architecture have")
+    if w is None:
+        raise InitFileError(f"{source}: refused: it holds no {key}, the stem torchvision's weights of this "
+                            "architecture have (a file of another architecture?)")
+    if w.dim() != 4 or w.shape[1] != len(mean):
+        raise InitFileError(f"{source}: refused: its stem {key} is {tuple(w.shape)}, not the {len(mean)}-channel "
+                            "(RGB) stem torchvision's weights of this architecture have")
     w64 = w.double()
     scale = torch.tensor([STD / s for s in std], dtype=torch.float64).view(1, -1, 1, 1)
     offset = torch.tensor([(MEAN - m) / s for m, s in zip(mean, std)], dtype=torch.float64)
