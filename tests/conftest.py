@@ -83,22 +83,14 @@ def _cpu_now() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
+def _start_cpu_clock(item):
     item.stash[_CPU_AT_START] = _cpu_now()
     yield
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    item.stash[_CPU_AT_START] = _cpu_now()
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item):
-    item.stash[_CPU_AT_START] = _cpu_now()
-    yield
+# the same clock starts each of a test's three phases
+pytest_runtest_setup = pytest_runtest_call = pytest_runtest_teardown = pytest.hookimpl(hookwrapper=True)(
+    _start_cpu_clock)
 
 
 @pytest.hookimpl(hookwrapper=True)
