@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from conftest import REPO, checkpoint_step, cli_env, horovod_available, module_scratch
-from test_slurm_cluster import CI_OVERLAY, PROFILE, _sacct_rows, slurm_cluster  # noqa: F401
+from test_slurm_cluster import CI_OVERLAY, PROFILE, SNAKEMAKE_ON_SLURM, _sacct_rows, slurm_cluster  # noqa: F401
 from test_workflow import tiny_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2400),
@@ -47,7 +47,7 @@ def snakemake_slurm_cmd(cluster, workdir: Path, cfgfile: Path, *args: str) -> tu
     env = {**cluster.env, "PATH": cli_env()["PATH"], "PYTHONPATH": cli_env()["PYTHONPATH"],
            "CHEXFLOW_VERIFIED_DIR": str(workdir / "verified")}
     # targets first: --configfile takes several values and would swallow them
-    return [sys.executable, "-m", "snakemake", *args, "-s", str(REPO / "Snakefile"), "-d", str(workdir),
+    return [*SNAKEMAKE_ON_SLURM, *args, "-s", str(REPO / "Snakefile"), "-d", str(workdir),
             "--profile", str(PROFILE), "--workflow-profile", str(CI_OVERLAY), "--configfile", str(cfgfile)], env
 
 
@@ -160,17 +160,26 @@ def _start_snakemake(cluster, work: Path, cfgfile: Path, *args: str, overlay: Pa
 
 
 def _job_mid_training(cluster, work: Path, proc, log: Path, rule: str, stage: str, t0: float,
-                      min_step: int = 1) -> str:
-    """Wait until ``rule``'s job runs and has written a checkpoint at ``min_step`` or later (after ``t0``)."""
+                      min_step: int = 1, timeout: float = 900) -> str:
+    """Wait until ``rule``'s job runs and has written a checkpoint at ``min_step`` or later (after ``t0``);
+    ``proc``: the Snakemake that submitted it, None when that one is gone (killed)."""
     ckdir, job = work / f"results/{stage}/checkpoints", None
-    deadline = time.time() + 900
-    while time.time() < deadline and proc.poll() is None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and (proc is None or proc.poll() is None):
         job = job or _running_job(cluster.env, rule, work)
-        fresh = [p for p in ckdir.glob("step-*.pt") if p.stat().st_mtime > t0]
+        fresh = [p for p in ckdir.glob("step-*.pt") if _mtime(p) > t0]
         if job and fresh and max(checkpoint_step(p) for p in fresh) >= min_step:
             return job
         time.sleep(0.5)
     raise AssertionError(f"{rule} finished or failed before it could be interrupted:\n" + log.read_text()[-4000:])
+
+
+def _mtime(path: Path) -> float:
+    """A file's mtime, 0 for one gone (a checkpoint the trainer's rotation just removed)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _start_requeued_now(env, job: str) -> None:
@@ -324,7 +333,7 @@ def test_finetuning_failed_fixed_cancelled_requeued_resumes_and_never_redoes_pre
 
 # ------------------------------------------------------------------ pretraining faults (issue 18)
 # Each scenario pretrains afresh (another seed: another run id) with checks every 2 steps, so a
-# signal is acted on well within the test cluster's KillWait (5 s) even on a loaded machine.
+# signal is acted on well within the test cluster's KillWait (30 s) even on a loaded machine.
 
 def _pretrain_variant(cfg: dict, seed: int, epochs: int) -> dict:
     out = json.loads(json.dumps(cfg))
@@ -462,7 +471,13 @@ def test_killed_snakemake_then_rerun_names_the_orphaned_job_and_never_doubles_it
         assert "Two trainers must not write one checkpoint directory" in refused
         assert "resuming from" not in refused and "checkpoint results" not in refused, refused[-4000:]
     finally:
+        resumed = time.time()
         subprocess.run(["scontrol", "resume", orphan], env=env)
+    # the user cancels a job that runs: the orphan trains again (a checkpoint after the resume). A
+    # `scancel` a few ms after `scontrol resume` once reached neither rank: slurmd (22.05) ended the
+    # batch step (srun with it) and never signalled the step, so no SIGTERM checkpoint, lease left behind
+    _job_mid_training(cluster, work, None, _attempt_logs(work, "pretrain")[before], "pretrain_model",
+                      "pretrain", resumed, timeout=180)
     subprocess.run(["scancel", orphan], env=env, check=True)          # the advice, followed
     deadline = time.time() + 120
     while time.time() < deadline and subprocess.run(["squeue", "-h", "-j", orphan], env=env, capture_output=True,
