@@ -6,10 +6,11 @@
 #   test cluster installs its own packages;
 #   .venv with envs/requirements.txt: the pinned packages and chexflow itself (editable) with every
 #   group of pyproject.toml (the one list of what chexflow needs), the SLURM executor plugin patched
-#   for its node-failure bug, and Horovod 0.28.1 built against the installed torch (cached wheel under
-#   ~/.cache/chexflow/wheels); both by the installers in envs/chexflow_install (build tooling, not part
-#   of the chexflow package), run with envs/ on PYTHONPATH: python -m chexflow_install.slurm_plugin and
-#   python -m chexflow_install.horovod.
+#   for its node-failure bug, torchvision's import without TorchDynamo, and Horovod 0.28.1 built
+#   against the installed torch (cached wheel under ~/.cache/chexflow/wheels); all by the installers in
+#   envs/chexflow_install (build tooling, not part of the chexflow package), run with envs/ on
+#   PYTHONPATH: python -m chexflow_install.slurm_plugin, python -m chexflow_install.torchvision_dynamo
+#   and python -m chexflow_install.horovod.
 #
 # Usage: bash envs/setup.sh [--test] [--pins-only]
 # --pins-only: the venv and the pinned packages of envs/requirements.txt alone, no system package
@@ -75,6 +76,9 @@ installer() { PYTHONPATH="$PWD/envs${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python
 
 say "snakemake-executor-plugin-slurm: the node-failure fix (envs/patches/slurm-plugin-node-fail.md)"
 installer slurm_plugin
+
+say "torchvision: import it without TorchDynamo (envs/patches/torchvision-dynamo-import.md)"
+installer torchvision_dynamo
 
 say "Horovod (built once against this torch, then taken from the wheel cache)"
 installer horovod

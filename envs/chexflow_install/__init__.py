@@ -5,7 +5,9 @@ chexflow, whose ``chexflow.fsutil`` they use for atomic writes)::
 
     PYTHONPATH=envs .venv/bin/python -m chexflow_install.horovod [--help]
     PYTHONPATH=envs .venv/bin/python -m chexflow_install.slurm_plugin [--check]
+    PYTHONPATH=envs .venv/bin/python -m chexflow_install.torchvision_dynamo [--check]
 
 ``horovod``: build Horovod 0.28.1 against the installed torch (cached wheel); ``slurm_plugin``: the
-node-failure fix of snakemake-executor-plugin-slurm 2.8.0.
+node-failure fix of snakemake-executor-plugin-slurm 2.8.0; ``torchvision_dynamo``: torchvision 0.29.1's
+import without TorchDynamo (1.3 CPU-s a process).
 """
