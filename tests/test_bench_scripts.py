@@ -60,3 +60,24 @@ def test_loader_epoch_start_compares_the_same_passes(tmp_path):
     assert r["pass_ratio_fresh_over_kept"] == pytest.approx(r["fresh"]["pass_s"] / r["kept"]["pass_s"])
     assert r["start_saved_per_pass_s"] == pytest.approx(r["fresh"]["pass_s"] - r["kept"]["pass_s"])
     assert "fresh / kept" in proc.stdout
+
+
+def test_import_cost_compares_a_patched_copy_with_the_released_one(tmp_path):
+    """bench/import_cost.py's two copies of torchvision: the released one imports TorchDynamo, the patched
+    one does not, and they differ in that line alone (what its ratio measures)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import import_cost
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    paths = import_cost.copies(tmp_path)
+    probe = "import sys, torchvision; sys.exit(10 + ('torch._dynamo' in sys.modules))"
+    for name, dynamo in (("patched", False), ("released", True)):
+        proc = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": str(paths[name])}, timeout=300)
+        assert proc.returncode == 10 + dynamo, name
+    texts = {name: (path / "torchvision/ops/roi_align.py").read_text().splitlines() for name, path in paths.items()}
+    diff = [line for line in texts["patched"] if line not in texts["released"]]
+    assert diff[0].startswith("# chexflow patch: dynamo imported when used") and len(diff) == 4, diff
+    assert set(texts["released"]) - set(texts["patched"]) == {"from torch._dynamo.utils import is_compile_supported"}
+    cpu, mib = import_cost.run_once("pass", paths["patched"])
+    assert 0 < cpu < 60 and mib > 0

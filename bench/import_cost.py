@@ -1,0 +1,89 @@
+"""What a process pays to import before its first line of work, with torchvision patched (TorchDynamo imported
+when used: envs/patches/torchvision-dynamo-import.md) and as released, in the same run.
+
+Two copies of the installed torchvision go to a temporary directory, one with the patch and one with 0.29.1's
+original line; each probe runs --runs times in a fresh process (one thread) with one copy or the other first
+on PYTHONPATH, alternated, after one untimed run of each. Per process: CPU seconds (user + system, the
+kernel's accounting of the reaped child) and peak memory. Prints medians and the ratio patched / released:
+
+    python bench/import_cost.py                       # ~2 min on a 2-core VM
+    python bench/import_cost.py --runs 9 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "envs"), str(REPO / "workflow")]
+
+from chexflow import host  # noqa: E402
+from chexflow_install import torchvision_dynamo as P  # noqa: E402
+
+PROBES = {
+    "import torchvision": "import torchvision",
+    "chexflow trainer and evaluation": "from chexflow.train import trainer; from chexflow.evaluate import run",
+}
+
+
+def copies(root: Path) -> dict[str, Path]:
+    """{'patched': dir, 'released': dir}, each holding a torchvision package."""
+    installed = P.module_file().parents[1]               # .../torchvision
+    (original, replacement), = P.EDITS
+    out = {}
+    for name in ("patched", "released"):
+        shutil.copytree(installed, root / name / "torchvision", ignore=shutil.ignore_patterns("__pycache__"))
+        module = root / name / "torchvision" / "ops" / "roi_align.py"
+        text = module.read_text().replace(replacement, original)      # as released, whatever is installed
+        module.write_text(P.patch_text(text) if name == "patched" else text)
+        out[name] = root / name
+    return out
+
+
+def run_once(statement: str, path: Path) -> tuple[float, float]:
+    """(CPU seconds, peak MiB) of one fresh process running ``statement`` with ``path`` first on PYTHONPATH."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(path), str(REPO / "workflow")])}
+    proc = subprocess.Popen([sys.executable, "-c", statement], env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"the probe {statement!r} failed with {path} on PYTHONPATH")
+    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=7, help="timed runs of each probe and copy")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args(argv)
+    result = {"host": host.describe(), "runs": args.runs, "probes": {}}
+    with tempfile.TemporaryDirectory(prefix="chexflow-import-cost-") as tmp:
+        paths = copies(Path(tmp))
+        for label, statement in PROBES.items():
+            for path in paths.values():
+                run_once(statement, path)                 # warm the page cache and the .pyc files
+            seen = {name: [] for name in paths}
+            for _ in range(args.runs):
+                for name, path in paths.items():
+                    seen[name].append(run_once(statement, path))
+            row = {name: {"cpu_s": statistics.median(c for c, _ in runs), "peak_mib": statistics.median(m for _, m in runs)}
+                   for name, runs in seen.items()}
+            row["cpu_ratio"] = row["patched"]["cpu_s"] / row["released"]["cpu_s"]
+            result["probes"][label] = row
+            print(f"{label}: patched {row['patched']['cpu_s']:.2f} CPU-s, {row['patched']['peak_mib']:.0f} MiB; "
+                  f"released {row['released']['cpu_s']:.2f} CPU-s, {row['released']['peak_mib']:.0f} MiB; "
+                  f"ratio {row['cpu_ratio']:.2f} (medians of {args.runs})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
