@@ -104,6 +104,11 @@ def test_weights_identical_across_ranks_and_rank0_alone_writes(reference_runs, b
     assert any(p.endswith("model.pt") for p in info0["writes"])
     h = history(work)
     assert [r["epoch"] for r in h] == [1, 2] and all(r["world_size"] == 2 for r in h)
+    # every rank got rank 0's validation AUROC, which rank 0 alone computed: the other ranks never
+    # import scikit-learn (1.7 CPU-s and 110 MiB each)
+    assert info0["validations"] == info1["validations"] and len(info0["validations"]) == 2
+    assert [v[1:] for v in info0["validations"]] == [[r["val_metric"], "mean_auroc"] for r in h]
+    assert (info0["sklearn_imported"], info1["sklearn_imported"]) == (True, False)
     # the saved model is rank 0's, selected on validation
     model = torch.load(work / "out" / "model.pt", weights_only=True)
     assert model["val_metric_name"] == "mean_auroc" and model["epoch"] in (1, 2)
@@ -211,3 +216,27 @@ def test_interrupted_twice_then_rerun_equals_uninterrupted(reference_runs, demo_
     hr, hw = history(reference_runs[backend]), history(work)
     assert [r["train_loss"] for r in hw] == pytest.approx([r["train_loss"] for r in hr], rel=1e-6)
     assert [r["val_loss"] for r in hw] == [r["val_loss"] for r in hr]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_validation_auroc_is_rank0s_on_every_rank_and_a_refusal_reaches_every_rank(tmp_path, backend):
+    """Two real ranks validate hand-made scores: rank 0 alone computes the AUROC (the only rank that
+    imports scikit-learn) and every rank returns it, equal to scikit-learn's over all 16 images; NaN
+    scores on rank 1 are refused by rank 0 and every rank raises the same refusal (none is left waiting)."""
+    from sklearn.metrics import roc_auc_score
+    import numpy as np
+    cmd = [sys.executable, "-m", "chexflow", "launch", "--backend", backend, "-n", "2", "--",
+           sys.executable, str(REPO / "tests/dist/validate_ranks.py"), "--backend", backend, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert [r["sklearn_imported"] for r in ranks] == [True, False]
+    assert ranks[0]["passes"] == ranks[1]["passes"]
+    finite, nan = ranks[0]["passes"]
+    rng = np.random.default_rng(7)                  # the rank script's scores, made again
+    targets = (rng.random((16, 4)) < 0.4).astype(np.float32)
+    scores = targets + rng.normal(0, 0.8, targets.shape).astype(np.float32)
+    expected = np.mean([roc_auc_score(targets[:, j], scores[:, j]) for j in range(4)])
+    assert finite["name"] == "mean_auroc" and finite["metric"] == pytest.approx(expected, abs=1e-12)
+    assert nan == {"refused": "y_score is NaN where y_true is known"}

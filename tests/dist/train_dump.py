@@ -1,5 +1,5 @@
-"""One rank of a real training run that also records, for the tests, what this rank wrote and its
-final weights. Started by the tests through `chexflow launch` (horovodrun / torchrun)."""
+"""One rank of a real training run that also records, for the tests, what this rank wrote, what each
+validation returned on it, whether it imported scikit-learn, and its final weights. Started by the tests through `chexflow launch` (horovodrun / torchrun)."""
 import argparse
 import json
 import os
@@ -40,8 +40,18 @@ def write_text(path, text):
     _real_write_text(path, text)
 
 
+real_validate = T.validate
+validations = []
+
+
+def validate(*args, **kwargs):
+    validations.append(real_validate(*args, **kwargs))
+    return validations[-1]
+
+
 ckpt.save_atomic = save_atomic
 T.write_text_atomic = write_text
+T.validate = validate
 trainer = T.Trainer(cfg, T.TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
                                       pretrained=args.pretrained), backend)
 code = trainer.fit()
@@ -49,6 +59,7 @@ args.dump.mkdir(parents=True, exist_ok=True)
 rank = backend.rank
 torch.save({k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, args.dump / f"rank{rank}.pt")
 (args.dump / f"rank{rank}.json").write_text(json.dumps({"writes": writes, "world": backend.size,
-                                                        "code": code, "pid": os.getpid()}))
+                                                        "code": code, "pid": os.getpid(), "validations": validations,
+                                                        "sklearn_imported": "sklearn" in sys.modules}))
 backend.shutdown()
 sys.exit(code)

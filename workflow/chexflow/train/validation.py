@@ -1,7 +1,8 @@
 """Validation during training: one pass over every rank's share of the validation split.
 
 The caller broadcasts rank 0's BatchNorm statistics first, so that every rank evaluates the same model;
-the metric (accuracy | mean AUROC) is computed once over the gathered split (chexflow.train.val_metrics).
+the metric (accuracy | mean AUROC) is computed over the gathered split (chexflow.train.val_metrics), the
+AUROC by rank 0 alone and sent to the others.
 """
 from __future__ import annotations
 
@@ -39,5 +40,15 @@ def validate(model, data: TrainData, backend: Backend, device: torch.device, *, 
     s, t = gather_arrays(backend)([local_scores, local_targets])
     if data.task == "multiclass":
         return val_loss, M.top1_accuracy(s, t), "accuracy"
-    per = M.auroc_per_label(t.astype(np.float64), s, list(data.labels))
-    return val_loss, float(M.mean_auroc(per)), "mean_auroc"
+    # the AUROC on rank 0, sent to the others: one rank of the world imports scikit-learn, not each, and
+    # a refusal (NaN scores) reaches every rank as the same error instead of leaving them waiting
+    outcome = None
+    if backend.is_root:
+        try:
+            outcome = ("ok", float(M.mean_auroc(M.auroc_per_label(t.astype(np.float64), s, list(data.labels)))))
+        except ValueError as exc:
+            outcome = ("refused", str(exc))
+    kind, value = backend.broadcast_object(outcome)
+    if kind == "refused":
+        raise ValueError(value)
+    return val_loss, value, "mean_auroc"
