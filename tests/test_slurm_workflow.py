@@ -57,7 +57,7 @@ FINETUNE_ONLY = "results/finetune/model.pt"     # the preemption tests stop at f
 @pytest.fixture(scope="module")
 def slurm_demo(slurm_cluster, tmp_path_factory, request):  # noqa: F811
     """The demo workflow, run once on the cluster: (cluster, workdir, config, config file, log)."""
-    cfg = tiny_config("horovod")
+    cfg = tiny_config("horovod", arch="resnet18")     # the faults are timed against its steps and checkpoints
     cfg["finetune"]["epochs"] = 2
     # SLURM mechanics only: the ablation (on in the default demo) has its own tests and would run
     # fine-tuning twice on the small cluster
