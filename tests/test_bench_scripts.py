@@ -6,6 +6,7 @@ reads, found on an H200 on 2026-11-28); this runs it for real, tiny, on CPU.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -65,11 +66,9 @@ def test_loader_epoch_start_compares_the_same_passes(tmp_path):
 def test_import_cost_compares_a_patched_copy_with_the_released_one(tmp_path):
     """bench/import_cost.py's two copies of torchvision: the released one imports TorchDynamo, the patched
     one does not, and they differ in that line alone (what its ratio measures)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import import_cost
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("import_cost", ROOT / "bench" / "import_cost.py")
+    import_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(import_cost)
     paths = import_cost.copies(tmp_path)
     probe = "import sys, torchvision; sys.exit(10 + ('torch._dynamo' in sys.modules))"
     for name, dynamo in (("patched", False), ("released", True)):
