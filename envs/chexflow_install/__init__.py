@@ -9,5 +9,5 @@ chexflow, whose ``chexflow.fsutil`` they use for atomic writes)::
 
 ``horovod``: build Horovod 0.28.1 against the installed torch (cached wheel); ``slurm_plugin``: the
 node-failure fix of snakemake-executor-plugin-slurm 2.8.0; ``torchvision_dynamo``: torchvision 0.29.1's
-import without TorchDynamo (1.3 CPU-s a process).
+import without TorchDynamo (2.4 CPU-s and 140 MiB an evaluation, prediction or report job).
 """

@@ -1,9 +1,10 @@
-"""Patch torchvision 0.29.1 so that ``import torchvision`` no longer imports torch._dynamo (1.3 CPU-s a process).
+"""Patch torchvision 0.29.1 so that ``import torchvision`` no longer imports torch._dynamo (2.4 CPU-s a process).
 
 ``torchvision/ops/roi_align.py`` imports ``torch._dynamo.utils.is_compile_supported`` at its top, and
-``import torchvision`` imports every op: every process that builds a model (each training rank, each
-evaluation, prediction and report job) imports TorchDynamo and Inductor's configuration, about 1.3 s of CPU
-on an idle core of this machine kind, 2.5 s on a loaded one, before its first line of work. The same file
+``import torchvision`` imports every op: every process that builds a model imports TorchDynamo and Inductor's
+configuration, 2.4 CPU-s and 140 MiB on this machine kind, before its first line of work. An evaluation,
+prediction or report job never needs them; a training rank imports them anyway when torch.optim makes its
+optimizer (torch 2.14), so for it the cost moves, it does not go. The same file
 wraps its compiled fallback in ``lazy_compile``, whose docstring gives the reason: to avoid "eagerly importing
 dynamo" (upstream pytorch/vision#8436: "importing dynamo has undesirable side effects for eager mode only
 users"). The one eager import left is the function that decides whether the fallback may compile, used only
