@@ -36,12 +36,11 @@ PROBES = {
 def copies(root: Path) -> dict[str, Path]:
     """{'patched': dir, 'released': dir}, each holding a torchvision package."""
     installed = P.module_file().parents[1]               # .../torchvision
-    (original, replacement), = P.EDITS
     out = {}
     for name in ("patched", "released"):
         shutil.copytree(installed, root / name / "torchvision", ignore=shutil.ignore_patterns("__pycache__"))
         module = root / name / "torchvision" / "ops" / "roi_align.py"
-        text = module.read_text().replace(replacement, original)      # as released, whatever is installed
+        text = module.read_text().replace(P.REPLACEMENT, P.ORIGINAL)      # as released, whatever is installed
         module.write_text(P.patch_text(text) if name == "patched" else text)
         out[name] = root / name
     return out

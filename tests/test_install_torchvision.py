@@ -12,7 +12,7 @@ import torch
 from chexflow_install import torchvision_dynamo as P
 from conftest import cli_env
 
-(ORIGINAL, REPLACEMENT), = P.EDITS
+ORIGINAL, REPLACEMENT = P.ORIGINAL, P.REPLACEMENT
 
 
 def installed_text() -> str:

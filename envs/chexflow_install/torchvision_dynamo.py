@@ -34,15 +34,13 @@ WRITEUP = "envs/patches/torchvision-dynamo-import.md"
 MARKER = f"# chexflow patch: dynamo imported when used ({WRITEUP})"
 SAY = "torchvision-patch:"
 
-# (original, replacement): the eager import, then its one use
-EDITS = (
-    ("from torch._dynamo.utils import is_compile_supported\n",
-     f"{MARKER}\n"
-     "def is_compile_supported(device_type):\n"
-     "    from torch._dynamo.utils import is_compile_supported as supported\n"
-     "\n"
-     "    return supported(device_type)\n"),
-)
+# the eager import, replaced by a function of the same name (its one call site stays as it is)
+ORIGINAL = "from torch._dynamo.utils import is_compile_supported\n"
+REPLACEMENT = (f"{MARKER}\n"
+               "def is_compile_supported(device_type):\n"
+               "    from torch._dynamo.utils import is_compile_supported as supported\n"
+               "\n"
+               "    return supported(device_type)\n")
 
 
 class PatchError(RuntimeError):
@@ -57,12 +55,10 @@ def patch_text(text: str, *, source: str = "torchvision/ops/roi_align.py") -> st
     """``text`` (roi_align.py) with the patch applied; unchanged if it already is."""
     if is_patched(text):
         return text
-    for original, replacement in EDITS:
-        if text.count(original) != 1:
-            raise PatchError(f"{source}: the line this patch replaces ({original.strip()!r}) is there "
-                             f"{text.count(original)} times, not once: torchvision's code changed")
-        text = text.replace(original, replacement)
-    return text
+    if text.count(ORIGINAL) != 1:
+        raise PatchError(f"{source}: the line this patch replaces ({ORIGINAL.strip()!r}) is there "
+                         f"{text.count(ORIGINAL)} times, not once: torchvision's code changed")
+    return text.replace(ORIGINAL, REPLACEMENT)
 
 
 def module_file() -> Path:
