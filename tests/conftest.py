@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -42,9 +43,11 @@ if "CHEXFLOW_VERIFIED_DIR" not in os.environ:
 # unit of work, so its module fixtures (a training run, a workflow) are built once; the SLURM files are
 # one unit (one cluster). That unit and the container file mostly wait (on SLURM's scheduling; on the
 # network and the disk while the image builds), so they start first and the other workers run the
-# CPU-bound files beside them. (xdist's own loadgroup does not group under pytest 9: it renames
-# test ids through an attribute pytest 9 no longer reads; a scheduler of our own groups by file.)
-FIRST_GROUPS = ("tests/test_container.py", "slurm")
+# CPU-bound files beside them; test_workflow.py starts with them, as its tiny chain (made once per
+# run, once_per_run) is what the container's run in the image is compared with. (xdist's own
+# loadgroup does not group under pytest 9: it renames test ids through an attribute pytest 9 no
+# longer reads; a scheduler of our own groups by file.)
+FIRST_GROUPS = ("tests/test_container.py", "slurm", "tests/test_workflow.py")
 
 
 def xdist_group(nodeid: str) -> str:
@@ -74,8 +77,10 @@ def pytest_collection_modifyitems(session, config, items):
 # own CPU and that of the processes it started and waited for (os.times counts a child once reaped;
 # SLURM's jobs run under slurmd and are not counted).
 CPU_FILES = 15                          # files listed
+CPU_TESTS = 20                          # tests listed (set-up, call and teardown together)
 _CPU_AT_START = pytest.StashKey[float]()
 _cpu_by_file: dict[str, float] = {}
+_cpu_by_test: dict[str, float] = {}
 
 
 def _cpu_now() -> float:
@@ -107,6 +112,7 @@ def pytest_runtest_logreport(report):
         if key == "cpu_s":
             path = report.nodeid.split("::", 1)[0]
             _cpu_by_file[path] = _cpu_by_file.get(path, 0.0) + value
+            _cpu_by_test[report.nodeid] = _cpu_by_test.get(report.nodeid, 0.0) + value
 
 
 @pytest.hookimpl(trylast=True)
@@ -118,6 +124,10 @@ def pytest_terminal_summary(terminalreporter, config):
                                 "processes they waited for (SLURM's jobs not counted)")
     for path, seconds in sorted(_cpu_by_file.items(), key=lambda kv: -kv[1])[:CPU_FILES]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.write_sep("=", f"CPU time by test (the {CPU_TESTS} largest; a module fixture's counts in "
+                                    "the first test that used it)")
+    for nodeid, seconds in sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])[:CPU_TESTS]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
 
 
 def horovod_available() -> bool:
@@ -187,6 +197,36 @@ def module_scratch(tmp_path_factory, request, name: str) -> Iterator[Path]:
     yield path
     if request.session.testsfailed == failed_before:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def run_dir(tmp_path_factory) -> Path:
+    """This pytest run's own directory, shared by its xdist workers (each worker's base directory is a
+    folder in it, ``popen-gw<n>``); without xdist, the run's base directory itself."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """A directory made once per pytest run by ``make(directory)`` and read by any test file on any
+    xdist worker: an end-to-end run that tests of several files read (each file is a unit of work of
+    its own, on whichever worker takes it). The first caller makes it while holding a lock on it; the
+    others wait for that and read what it made. A maker that raised leaves no directory behind, so
+    the next caller makes it again (and fails the same way, in its own test). Readers must not
+    change it: a test that changes a run works on a copy."""
+    path = run_dir(tmp_path_factory) / f"once-{name}"
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)            # released when the file closes, or the process dies
+        done = path / ".made"
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)     # a maker that died half-way
+            path.mkdir()
+            try:
+                make(path)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            done.touch()
+    return path
 
 
 @pytest.fixture(scope="session")

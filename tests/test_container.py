@@ -4,11 +4,13 @@ Fast: config.yaml's ``container.image`` (checked, fed to Snakemake's ``container
 every rule; null = none) and the Apptainer profile overlay as Snakemake reads it.
 Slow (``-m container``, root with buildah and mmdebstrap, installed by ``envs/setup.sh --test``): the
 image built for real by ``envs/build-image.sh`` on a Debian base made by mmdebstrap; inside it, with
-no network, ``chexflow --help``, the default demo (the host's test metrics) and Horovod with 2 ranks;
+no network, ``chexflow --help``, the demo's chain at tiny scale (the host's predictions and test metrics,
+from test_workflow's run of it) and Horovod with 2 ranks;
 the commit and pins it records; a second build of the same checkout taken whole from the cache.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -27,9 +29,7 @@ from sklearn.metrics import roc_auc_score
 from chexflow.config import check_study
 from chexflow.settings import ConfigError
 from conftest import REPO, cli_env
-
-DEMO_TEST_IMAGES = 443              # fixed by the demo release's seeded sampling of the NIH label table
-
+from test_workflow import RANKS, _finished, tiny_run  # noqa: F401  (tiny_run: a fixture)
 
 def _config(**container) -> dict:
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
@@ -245,30 +245,28 @@ def test_horovod_in_the_image_runs_two_ranks(image):
     assert "rank 0 of 2: sum 3" in out and "rank 1 of 2: sum 3" in out, out[-3000:]
 
 
-def _host_demo(workdir: Path) -> dict:
-    """The default demo on this machine, outside any container: its test metrics."""
-    workdir.mkdir()
-    (workdir / "config.yaml").write_text((REPO / "config.yaml").read_text())
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
-                           "--profile", "profiles/default"], cwd=REPO, env=cli_env(), capture_output=True,
-                          text=True, timeout=2000)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return json.loads((workdir / "results/evaluate/metrics.json").read_text())
-
-
 @in_image
-def test_default_demo_in_the_image_gives_the_host_metrics(image, tmp_path):
-    """The default demo, offline, inside the image: the test metrics of a host run beside it, finding by
-    finding (the same machine: the same kernels, so the same digits; no figure from another host is
-    pinned), and each finding's AUROC recomputed here from the predictions it wrote (scikit-learn)."""
-    out = run_in(image, "cd /opt/chexflow && snakemake --profile profiles/default > /tmp/demo.log 2>&1 "
-                        "|| { tail -n 80 /tmp/demo.log; exit 1; }; "
-                        "cat results/evaluate/metrics.json; echo; echo ====; cat results/evaluate/predictions.csv",
+def test_demo_chain_in_the_image_gives_the_host_metrics(image, tiny_run):
+    """The demo's workflow, every rule of `all` (`snakemake --profile profiles/default`, 2 Horovod ranks
+    per training job), offline inside the image, at the tiny scale of test_workflow's chain: the host's
+    run of the same config in this test run (conftest.once_per_run: the suite runs it once for both).
+    The same machine, so the same kernels: the same predictions, byte for byte, and the same test
+    metrics finding by finding (no figure from another host is pinned); each finding's AUROC recomputed
+    here from the predictions the image wrote (scikit-learn). The default demo's own size is a user's
+    run (README command 1); this is its chain, on the smallest data and model that run every rule."""
+    host_work = _finished(tiny_run)
+    host = json.loads((host_work / "results/evaluate/metrics.json").read_text())
+    config = tiny_run.cfgfile.read_text()
+    assert "\nEOF\n" not in config
+    out = run_in(image, f"mkdir /tmp/tiny && cat > /tmp/tiny/config.yaml <<'EOF'\n{config}EOF\n"
+                        "cd /opt/chexflow && snakemake --profile profiles/default -d /tmp/tiny --cores 2 "
+                        f"--configfile /tmp/tiny/config.yaml {' '.join(RANKS)} > /tmp/demo.log 2>&1 "
+                        "|| { tail -n 80 /tmp/demo.log; exit 1; }; cd /tmp/tiny/results/evaluate && "
+                        "cat metrics.json; echo; echo ====; cat predictions.csv",
                  timeout=2000)
     metrics_text, csv = out.split("====\n", 1)
     metrics = json.loads(metrics_text[metrics_text.index("{"):])
-    assert metrics["n_images"] == DEMO_TEST_IMAGES
-    host = _host_demo(tmp_path / "host")
+    assert metrics["n_images"] == host["n_images"] > 0
     labels = metrics["mean_auroc_labels"]
     print("finding: AUROC in the image / on the host")
     for label in labels:
@@ -276,9 +274,9 @@ def test_default_demo_in_the_image_gives_the_host_metrics(image, tmp_path):
     assert labels == host["mean_auroc_labels"] and len(labels) == 14
     assert {c: metrics["labels"][c]["auroc"] for c in labels} == {c: host["labels"][c]["auroc"] for c in labels}
     assert metrics["mean_auroc"] == host["mean_auroc"]
-    (tmp_path / "predictions.csv").write_text(csv)
-    pred = pd.read_csv(tmp_path / "predictions.csv")
-    assert len(pred) == DEMO_TEST_IMAGES
+    assert csv == (host_work / "results/evaluate/predictions.csv").read_text()
+    pred = pd.read_csv(io.StringIO(csv))
+    assert len(pred) == metrics["n_images"]
     for label in labels:
         assert roc_auc_score(pred[label], pred[f"{label}_score"]) == pytest.approx(
             metrics["labels"][label]["auroc"], abs=1e-4), label

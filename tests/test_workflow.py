@@ -8,7 +8,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -17,7 +16,7 @@ import torch
 import yaml
 from sklearn.metrics import roc_auc_score
 
-from conftest import REPO, horovod_available, job_counts, module_scratch, snakemake
+from conftest import REPO, horovod_available, job_counts, once_per_run, snakemake
 
 CHAIN = ["download_file", "write_shards", "gather_shards", "pretrain_model", "finetune_model",
          "evaluate_model", "render_report"]
@@ -119,16 +118,25 @@ class TinyRun:
     proc: subprocess.CompletedProcess
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, request) -> Iterator[TinyRun]:
+def _make_tiny_run(work: Path) -> None:
+    backend = "horovod" if horovod_available() else "ddp"
+    cfgfile = work / "config.yaml"
+    cfgfile.write_text(yaml.safe_dump(tiny_config(backend)))
+    proc = snakemake(work, "--configfile", str(cfgfile), *RANKS)
+    (work / "snakemake.json").write_text(json.dumps({"args": proc.args, "returncode": proc.returncode,
+                                                     "stdout": proc.stdout, "stderr": proc.stderr}))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> TinyRun:
     """The whole workflow (`snakemake` with no target: every rule of `all`) at tiny scale in a fresh
-    directory, once for the tests of this file that read it (test_end_to_end_tiny checks it, the
-    reproducibility test runs it again beside it, the forcerun test starts from a copy of it)."""
-    with module_scratch(tmp_path_factory, request, "tiny") as work:
-        backend = "horovod" if horovod_available() else "ddp"
-        cfgfile = work / "config.yaml"
-        cfgfile.write_text(yaml.safe_dump(tiny_config(backend)))
-        yield TinyRun(work, cfgfile, snakemake(work, "--configfile", str(cfgfile), *RANKS))
+    directory, once per test run (conftest.once_per_run) for the tests that read it: test_end_to_end_tiny
+    checks it, the reproducibility test runs it again beside it, the forcerun test starts from a copy of
+    it, and test_container runs it in the image and compares. Read only; its Snakemake's outcome is
+    ``proc`` (a failed run fails the tests that read it, each with its log)."""
+    work = once_per_run(tmp_path_factory, "tiny-chain", _make_tiny_run)
+    rec = json.loads((work / "snakemake.json").read_text())
+    return TinyRun(work, work / "config.yaml", subprocess.CompletedProcess(**rec))
 
 
 def _finished(run: TinyRun) -> Path:
