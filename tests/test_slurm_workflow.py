@@ -376,7 +376,9 @@ def test_time_limit_then_node_failure_during_pretraining_resume_and_run_through_
     # (SLURM checks time limits every 30 s; the steps in between depend on the CPU: fewer on a slower
     # host). The attempt after the node failure trains the rest: 24 epochs made it 270 s of the test's 530.
     epochs = 14
-    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=11, epochs=epochs)))
+    variant = _pretrain_variant(cfg, seed=11, epochs=epochs)
+    variant["finetune"]["epochs"] = 1       # what follows pretraining runs again: its cheapest budget
+    cfgfile.write_text(yaml.safe_dump(variant))
     overlay = tmp_path / "limits"
     overlay.mkdir()
     (overlay / "profile.yaml").write_text(

@@ -14,6 +14,7 @@ from chexflow.settings import ConfigError
 from chexflow.train import config as ablation
 from chexflow.train.config import TrainConfig
 from conftest import REPO, job_counts, snakemake
+from test_workflow import _finished, tiny_run  # noqa: F401  (tiny_run: a fixture)
 
 
 
@@ -116,23 +117,22 @@ def test_ablation_seeds_run_every_arm_with_every_seed(tmp_path):
 
 
 @pytest.mark.slow
-def test_ablation_rules_tiny(tmp_path, demo_manifest):
-    """The random-init run (main run from the pretraining model) trained and evaluated on test for real."""
-    cfg, cfgfile = _config(tmp_path, init="pretrained", backend="single", epochs=1, batch_size=16)
-    cfg["finetune"]["data"].update(crop=32, workers=0, samples_per_epoch=64)
-    cfg["evaluate"]["bootstrap_resamples"] = 50
-    cfgfile.write_text(yaml.safe_dump(cfg))
-    shutil.copytree(demo_manifest.parent, tmp_path / "data/shards/nih_demo")
-    proc = _snakemake(tmp_path, "--configfile", str(cfgfile), "--set-resources", "finetune_ablation:tasks=1",
-                      "--allowed-rules", "finetune_ablation", "evaluate_ablation", "--",
-                      "results/ablation/evaluate/metrics.json")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    trained = yaml.safe_load((tmp_path / "results/ablation/finetune/config.yaml").read_text())
-    assert trained["init"] == "random" and trained["epochs"] == 1 and trained["batch_size"] == 16
-    metrics = json.loads((tmp_path / "results/ablation/evaluate/metrics.json").read_text())
-    assert 0.0 <= metrics["mean_auroc"] <= 1.0 and metrics["n_images"] > 0
+@pytest.mark.timeout(1800)
+def test_ablation_rules_tiny(tiny_run):
+    """The random-init run (the main run starts from the pretraining model) trained and evaluated on test
+    for real, with the main run's budget: in test_workflow's tiny chain (made once per test run), where
+    the ablation is on, as in the default demo."""
+    work = _finished(tiny_run)
+    cfg = yaml.safe_load(tiny_run.cfgfile.read_text())
+    assert cfg["ablation"]["enabled"] and cfg["finetune"]["init"] == "pretrained"
+    trained = yaml.safe_load((work / "results/ablation/finetune/config.yaml").read_text())
+    assert trained["init"] == "random"
+    assert (trained["epochs"], trained["batch_size"]) == (cfg["finetune"]["epochs"], cfg["finetune"]["batch_size"])
+    metrics = json.loads((work / "results/ablation/evaluate/metrics.json").read_text())
+    main = json.loads((work / "results/evaluate/metrics.json").read_text())
+    assert 0.0 <= metrics["mean_auroc"] <= 1.0 and metrics["n_images"] == main["n_images"] > 0
     assert metrics["model"] == "results/ablation/finetune/model.pt"
-    auroc = (tmp_path / "results/ablation/evaluate/auroc.csv").read_text().splitlines()
+    auroc = (work / "results/ablation/evaluate/auroc.csv").read_text().splitlines()
     assert len(auroc) == 1 + 14 + 1 and auroc[-1].startswith("mean,")
 
 
