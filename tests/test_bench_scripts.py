@@ -80,3 +80,30 @@ def test_import_cost_compares_a_patched_copy_with_the_released_one(tmp_path):
     assert set(texts["released"]) - set(texts["patched"]) == {"from torch._dynamo.utils import is_compile_supported"}
     cpu, mib = import_cost.run_once("pass", paths["patched"])
     assert 0 < cpu < 60 and mib > 0
+
+
+def test_suite_processes_records_every_python_process_it_starts_and_tells_them_apart(tmp_path):
+    """bench/suite_processes.py: a command that starts three Python processes (itself a `python -c`, a
+    child that imports json, a grandchild run as a SLURM job would be) gives three records, each with
+    its own CPU, kind and job; the table sums them and names the SLURM job's."""
+    log = tmp_path / "procs.jsonl"
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    grandchild = f"import os, sys, subprocess; subprocess.run([sys.executable, '-c', {burn!r}], " \
+                 "env={**os.environ, 'SLURM_JOB_ID': '77'}, check=True)"
+    command = [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}],"
+               " check=True)"]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/suite_processes.py"), "--log", str(log), "--", *command],
+                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 3 and [r["slurm_job"] for r in records].count("77") == 1
+    job = next(r for r in records if r["slurm_job"] == "77")
+    assert job["cpu"] >= 0.3 and job["argv"] == ["-c"] and job["torch"] is False
+    assert all(r["test"] == "" for r in records)
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("3 Python processes,") and "1 SLURM jobs:" in first, proc.stdout
+    assert "python -c [SLURM job]" in proc.stdout
+    # the table of a recorded run, without running anything
+    again = subprocess.run([sys.executable, str(ROOT / "bench/suite_processes.py"), "--log", str(log)],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout == proc.stdout
