@@ -261,6 +261,15 @@ def test_unknown_dataset(tmp_path):
                                 f"{', '.join(registry.NAMES)}" + todo("UnknownSourceError"))
 
 
+def test_unknown_file_of_a_dataset(tmp_path):
+    proc = chexflow_cli("download", "--dataset", "nih_demo", "--n-archives", "2", "--file", "images_003.tar.gz",
+                        "--dest", str(tmp_path))
+    assert refused(proc, 2) == ("chexflow download: dataset 'nih_demo' has no file 'images_003.tar.gz'; its files: "
+                                "images_001.tar.gz, images_002.tar.gz, Data_Entry_2017_v2020.csv, "
+                                "train_val_list.txt, test_list.txt, BBox_List_2017.csv" + todo("UnknownFileError"))
+    assert not any(tmp_path.iterdir())
+
+
 def test_missing_mirror_file(demo, tmp_path):
     mirror = tmp_path / "mirror"
     shutil.copytree(demo / "release", mirror)

@@ -64,6 +64,7 @@ REFUSALS: dict[str, Refusal] = {
     "ConfigError": Refusal(2, _CONFIG),
     "ProfileError": Refusal(2, "fix the profile named, profiles/*/profile.yaml"),
     "UnknownSourceError": Refusal(2, "use one of the datasets listed"),
+    "UnknownFileError": Refusal(2, "use one of the files listed"),
     "NoURLError": Refusal(2, "set datasets.<name>.mirror to where the file is"),
     "RegistryOverrideError": Refusal(2, "fix the test registry file, or unset CHEXFLOW_TEST_REGISTRY"),
     "ReleaseError": Refusal(2, "fix the demo release's settings"),

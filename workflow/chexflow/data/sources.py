@@ -59,7 +59,8 @@ class Source:
         for f in self.files:
             if f.name == name:
                 return f
-        raise KeyError(f"source {self.name!r} has no file {name!r}; its files are {file_names(self)}")
+        raise UnknownFileError(f"dataset {self.name!r} has no file {name!r}; its files: "
+                               f"{', '.join(file_names(self))}")
 
 
 class UnknownSourceError(KeyError):
@@ -67,6 +68,10 @@ class UnknownSourceError(KeyError):
 
     def __str__(self) -> str:  # KeyError would show the repr of the message
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownFileError(UnknownSourceError):
+    """A dataset was asked for a file it does not have (``chexflow download --file``)."""
 
 
 class NoURLError(ValueError):
