@@ -146,6 +146,12 @@ def _rank_lines(text: str) -> list[tuple[int, str, str, str]]:
     return sorted(rows)
 
 
+# the states a job ends in (squeue(1), JOB STATE CODES); any other is on the way: SIGNALING too, which a
+# job shows while slurmctld delivers its --signal (a list of the transient ones took it for the end)
+JOB_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+             "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+
+
 def _sbatch_wait(cluster: Cluster, tmp_path: Path, script: str, *options: str,
                  timeout: float = 90) -> str:
     """Submit `script` with sbatch, wait until it finished, return the job's output."""
@@ -158,7 +164,7 @@ def _sbatch_wait(cluster: Cluster, tmp_path: Path, script: str, *options: str,
     while time.monotonic() < deadline:  # (sbatch --wait polls only every few seconds)
         info = _checked(_run(["scontrol", "show", "job", "-o", job_id], env=cluster.env))
         state = re.search(r"JobState=(\S+)", info).group(1)
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        if state in JOB_ENDED:
             break
         time.sleep(0.25)
     text = out.read_text() if out.exists() else ""
