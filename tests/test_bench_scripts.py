@@ -84,8 +84,9 @@ def test_import_cost_compares_a_patched_copy_with_the_released_one(tmp_path):
 
 def test_suite_processes_records_every_python_process_it_starts_and_tells_them_apart(tmp_path):
     """bench/suite_processes.py: a command that starts three Python processes (itself a `python -c`, a
-    child that imports json, a grandchild run as a SLURM job would be) gives three records, each with
-    its own CPU, kind and job; the table sums them and names the SLURM job's."""
+    child that starts the third, a grandchild that burns 0.3 CPU-s with SLURM_JOB_ID set, as in a SLURM
+    job) gives three records, each with its own CPU, kind and job; the table sums them and names the
+    SLURM job's."""
     log = tmp_path / "procs.jsonl"
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
     grandchild = f"import os, sys, subprocess; subprocess.run([sys.executable, '-c', {burn!r}], " \

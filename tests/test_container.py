@@ -31,6 +31,7 @@ from chexflow.settings import ConfigError
 from conftest import REPO, cli_env
 from test_workflow import RANKS, _finished, tiny_run  # noqa: F401  (tiny_run: a fixture)
 
+
 def _config(**container) -> dict:
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     if container:
