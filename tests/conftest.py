@@ -142,6 +142,12 @@ requires_horovod = pytest.mark.skipif(not horovod_available(),
                                       reason="horovod not built here (bash envs/setup.sh)")
 
 
+def builds_images() -> bool:
+    """Whether this host builds and runs chexflow's image (test_container.py's slow tests): root with buildah
+    and mmdebstrap (envs/setup.sh --test installs them)."""
+    return bool(shutil.which("buildah") and shutil.which("mmdebstrap") and os.geteuid() == 0)
+
+
 def checkpoint_step(path: Path) -> int:
     """The step in a checkpoint's file name, ``step-<step>-<run id>.pt`` (chexflow.train.checkpoint)."""
     return int(Path(path).name.split("-")[1])

@@ -10,11 +10,11 @@ the commit and pins it records; a second build of the same checkout taken whole 
 """
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -28,8 +28,8 @@ from sklearn.metrics import roc_auc_score
 
 from chexflow.config import check_study
 from chexflow.settings import ConfigError
-from conftest import REPO, cli_env
-from test_workflow import RANKS, _finished, tiny_run  # noqa: F401  (tiny_run: a fixture)
+from conftest import REPO, builds_images, cli_env
+from test_workflow import RANKS, _finished, run_facts, tiny_run  # noqa: F401  (tiny_run: a fixture)
 
 
 def _config(**container) -> dict:
@@ -121,9 +121,8 @@ def test_apptainer_overlay_sets_the_deployment_method_and_its_arguments(tmp_path
 
 # --------------------------------------------------------------------------- the image, built and run
 
-needs_buildah = pytest.mark.skipif(
-    not (shutil.which("buildah") and shutil.which("mmdebstrap") and os.geteuid() == 0),
-    reason="needs root with buildah and mmdebstrap (envs/setup.sh --test installs them)")
+needs_buildah = pytest.mark.skipif(not builds_images(),
+                                   reason="needs root with buildah and mmdebstrap (envs/setup.sh --test installs them)")
 TAG = "localhost/chexflow-test:tests"
 
 
@@ -251,21 +250,25 @@ def test_demo_chain_in_the_image_gives_the_host_metrics(image, tiny_run):
     """The demo's workflow, every rule of `all` (`snakemake --profile profiles/default`, 2 Horovod ranks
     per training job), offline inside the image, at the tiny scale of test_workflow's chain: the host's
     run of the same config in this test run (conftest.once_per_run: the suite runs it once for both).
-    The same machine, so the same kernels: the same predictions, byte for byte, and the same test
-    metrics finding by finding (no figure from another host is pinned); each finding's AUROC recomputed
-    here from the predictions the image wrote (scikit-learn). The default demo's own size is a user's
-    run (README command 1); this is its chain, on the smallest data and model that run every rule."""
+    The same machine, so the same kernels: the same models, predictions and test metrics, bit for bit
+    (test_workflow.run_facts, computed inside the image on its run: this is also the reproducibility
+    test's second run, test_workflow.IMAGE_CHAIN), finding by finding (no figure from another host is
+    pinned); each finding's AUROC recomputed here from the predictions the image wrote (scikit-learn).
+    The default demo's own size is a user's run (README command 1); this is its chain, on the smallest
+    data and model that run every rule."""
     host_work = _finished(tiny_run)
     host = json.loads((host_work / "results/evaluate/metrics.json").read_text())
     config = tiny_run.cfgfile.read_text()
-    assert "\nEOF\n" not in config
+    facts_program = inspect.getsource(run_facts) + "\nimport json\nprint(json.dumps(run_facts('/tmp/tiny')))\n"
+    assert "\nEOF\n" not in config + facts_program
     out = run_in(image, f"mkdir /tmp/tiny && cat > /tmp/tiny/config.yaml <<'EOF'\n{config}EOF\n"
                         "cd /opt/chexflow && snakemake --profile profiles/default -d /tmp/tiny --cores 2 "
                         f"--configfile /tmp/tiny/config.yaml {' '.join(RANKS)} > /tmp/demo.log 2>&1 "
                         "|| { tail -n 80 /tmp/demo.log; exit 1; }; cd /tmp/tiny/results/evaluate && "
-                        "cat metrics.json; echo; echo ====; cat predictions.csv",
+                        "cat metrics.json; echo; echo ====; cat predictions.csv; echo ====; "
+                        f"python - <<'EOF'\n{facts_program}EOF\n",
                  timeout=2000)
-    metrics_text, csv = out.split("====\n", 1)
+    metrics_text, csv, facts = out.split("====\n")
     metrics = json.loads(metrics_text[metrics_text.index("{"):])
     assert metrics["n_images"] == host["n_images"] > 0
     labels = metrics["mean_auroc_labels"]
@@ -276,6 +279,8 @@ def test_demo_chain_in_the_image_gives_the_host_metrics(image, tiny_run):
     assert {c: metrics["labels"][c]["auroc"] for c in labels} == {c: host["labels"][c]["auroc"] for c in labels}
     assert metrics["mean_auroc"] == host["mean_auroc"]
     assert csv == (host_work / "results/evaluate/predictions.csv").read_text()
+    # (run_in returns stdout, then stderr: the facts are the section's first JSON line)
+    assert json.loads(next(line for line in facts.splitlines() if line.startswith("{"))) == run_facts(host_work)
     pred = pd.read_csv(io.StringIO(csv))
     assert len(pred) == metrics["n_images"]
     for label in labels:

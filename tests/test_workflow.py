@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 import yaml
 from sklearn.metrics import roc_auc_score
 
-from conftest import REPO, horovod_available, job_counts, once_per_run, snakemake
+from conftest import REPO, builds_images, horovod_available, job_counts, once_per_run, snakemake
 
 CHAIN = ["download_file", "write_shards", "gather_shards", "pretrain_model", "finetune_model",
          "evaluate_model", "render_report"]
@@ -144,13 +143,47 @@ def _finished(run: TinyRun) -> Path:
     return run.work
 
 
+def run_facts(work) -> dict:
+    """What two runs of one chain share when they are reproducible (docs/studies.md): the test metrics and
+    predictions (sha256 of their bytes), each training stage's weights (sha256 over every tensor's name, dtype,
+    shape and bytes) and its per-epoch records but their timings. Self-contained: test_container runs its
+    source inside the image, on the image's run."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import torch
+    work = Path(work)
+    facts = {name: hashlib.sha256((work / "results/evaluate" / name).read_bytes()).hexdigest()
+             for name in ("metrics.json", "predictions.csv")}
+    for stage in ("pretrain", "finetune"):
+        weights = torch.load(work / f"results/{stage}/model.pt", weights_only=True)["state_dict"]
+        digest = hashlib.sha256()
+        for name in sorted(weights):
+            t = weights[name].detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{name} {t.dtype} {tuple(weights[name].shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+        facts[f"{stage} weights"] = digest.hexdigest()
+        timing = ("images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
+        facts[f"{stage} epochs"] = [{k: v for k, v in json.loads(line).items() if k not in timing}
+                                    for line in (work / f"results/{stage}/metrics.jsonl").read_text().splitlines()]
+    return facts
+
+
+IMAGE_CHAIN = "tests/test_container.py::test_demo_chain_in_the_image_gives_the_host_metrics"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_tiny_chain_twice_gives_identical_metrics(tmp_path, tiny_run):
+def test_tiny_chain_twice_gives_identical_metrics(request, tmp_path, tiny_run):
     """What is reproducible (docs/studies.md): the same chain run twice on one machine and software stack, in
-    two fresh directories, gives bit-identical models and byte-identical test metrics. The first run is
-    tiny_run's; the second trains and evaluates on copies of its shards in a directory of its own."""
+    two fresh directories, gives bit-identical models and byte-identical test metrics (run_facts). The first
+    run is tiny_run's. Where this test run also runs the chain in the image (IMAGE_CHAIN: every rule again,
+    in a fresh directory of a container on this machine), that is the second run and compares run_facts;
+    otherwise the second trains and evaluates here, on copies of the first's shards in a directory of its own."""
     a = _finished(tiny_run)
+    if builds_images() and any(item.nodeid == IMAGE_CHAIN for item in request.session.items):
+        pytest.skip(f"the second run is the image's, its run_facts compared with tiny_run's in {IMAGE_CHAIN}")
     b = tmp_path / "b"
     shutil.copytree(a / "data/shards", b / "data/shards")
     # evaluation reads the release's label table and boxes (subgroups, localisation); copy2 keeps
@@ -164,17 +197,11 @@ def test_tiny_chain_twice_gives_identical_metrics(tmp_path, tiny_run):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert {k: v for k, v in job_counts(proc.stdout + proc.stderr).items() if k != "total"} == {
         "pretrain_model": 1, "finetune_model": 1, "evaluate_model": 1}
+    facts = run_facts(a)
+    assert run_facts(b) == facts
     cfg = yaml.safe_load(tiny_run.cfgfile.read_text())
-    for name in ("metrics.json", "predictions.csv"):
-        assert (a / "results/evaluate" / name).read_bytes() == (b / "results/evaluate" / name).read_bytes(), name
-    for stage in ("pretrain", "finetune"):
-        wa = torch.load(a / f"results/{stage}/model.pt", weights_only=True)["state_dict"]
-        wb = torch.load(b / f"results/{stage}/model.pt", weights_only=True)["state_dict"]
-        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), stage
-        timing = ("images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
-        rows = [[{k: v for k, v in json.loads(x).items() if k not in timing}
-                 for x in (w / f"results/{stage}/metrics.jsonl").read_text().splitlines()] for w in (a, b)]
-        assert rows[0] == rows[1] and len(rows[0]) == cfg[stage]["epochs"]
+    assert [len(facts[f"{stage} epochs"]) for stage in ("pretrain", "finetune")] == [
+        cfg["pretrain"]["epochs"], cfg["finetune"]["epochs"]]
     metrics = json.loads((a / "results/evaluate/metrics.json").read_text())
     assert metrics["n_images"] > 0 and 0.0 <= metrics["mean_auroc"] <= 1.0
 
