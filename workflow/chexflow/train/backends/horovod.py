@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Any
 
@@ -48,6 +49,38 @@ def dense_layout_compression(inner, *, stage_through_cpu: bool = False):
     return DenseLayout
 
 
+POLL_INTERVAL_S = 0.0005
+
+
+def poll_while_waiting(interval_s: float = POLL_INTERVAL_S) -> None:
+    """Make every wait for a Horovod collective sleep between polls instead of spinning.
+
+    Each collective's wait (``synchronize``: the gradients' allreduce in the optimizer's step,
+    broadcasts, allgathers, the barrier) runs a C++ loop that polls the handle and only yields
+    the CPU between polls (``WaitAndClear`` in horovod/torch/mpi_ops_v2.cc, 0.28.1). So a rank
+    waiting for another one keeps a core busy. When CPU ranks share cores, that core belongs to
+    the rank doing the work: rank 0 hashing shards, writing a checkpoint or scoring validation.
+    The replacement polls the handle every ``interval_s`` with sleeps in between. Horovod's own
+    ``synchronize`` then takes the finished handle, raising its error if it has one, and returns
+    at once. Horovod binds the name in three modules; it is replaced in all three. Idempotent."""
+    import horovod.torch.functions as functions
+    import horovod.torch.mpi_ops as mpi_ops
+    import horovod.torch.optimizer as optimizer
+    wait = mpi_ops.synchronize
+    if getattr(wait, "chexflow_polls", False):
+        return
+
+    def synchronize(handle):
+        while handle in mpi_ops._handle_map and not mpi_ops.poll(handle):
+            time.sleep(interval_s)
+        return wait(handle)
+
+    synchronize.chexflow_polls = True
+    synchronize.__doc__, synchronize.__wrapped__ = wait.__doc__, wait
+    for module in (mpi_ops, optimizer, functions):
+        module.synchronize = synchronize
+
+
 class HorovodBackend(Backend):
     name = "horovod"
 
@@ -65,6 +98,10 @@ class HorovodBackend(Backend):
                 "train.backend is 'horovod' but horovod is not importable "
                 f"({exc}); build it with `bash envs/setup.sh` or set train.backend: ddp"
             ) from exc
+        if not torch.cuda.is_available():
+            # a rank waiting for another spins on a core the other may need (on a GPU the wait
+            # stays Horovod's own: not measured there)
+            poll_while_waiting()
         self.hvd = hvd
         hvd.init()
         self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
