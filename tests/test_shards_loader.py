@@ -149,3 +149,33 @@ def test_reject_fraction_fails_with_names(tmp_path, demo_manifest):
                      n_archives=3)
     assert [r["image"] for r in m["rejects"]] == [members[3][0]]
     assert sum(s["count"] for s in m["shards"]) == len(members) - 1
+
+
+def test_shard_tar_is_byte_for_byte_webdatasets_and_the_job_imports_no_torch(tmp_path):
+    """chexflow writes a shard with tarfile (write_tar), not webdataset's TarWriter, whose module imports torch
+    (2 CPU s of a 3 s shard job): the same bytes as TarWriter(encoder=False, mtime=0) for samples of every
+    encoding (PNG or raw image, target, meta), so shards written before and after are one format and the
+    loader (webdataset's grouping by key) reads them as before. The shard command imports no torch."""
+    import subprocess
+    import sys
+
+    import webdataset as wds
+    from conftest import REPO, cli_env
+    rng = np.random.default_rng(5)
+    samples = []
+    for i, encoding in enumerate(("png", "raw", "png")):
+        smp = S.Sample(key=f"000{i:02d}_000.png", patient=str(i), split="train",
+                       image=rng.integers(0, 256, (8, 8), np.uint8), target=rng.integers(0, 2, 14).astype(np.float32))
+        samples.append(S._encode(smp, encoding))
+    S.write_tar(tmp_path / "chexflow.tar", iter(samples))
+    with wds.TarWriter(str(tmp_path / "webdataset.tar"), encoder=False, mtime=0) as sink:
+        for sample in samples:
+            sink.write(sample)
+    assert (tmp_path / "chexflow.tar").read_bytes() == (tmp_path / "webdataset.tar").read_bytes()
+    read = list(L.iter_shard(str(tmp_path / "chexflow.tar")))
+    assert [{k: v for k, v in r.items() if not k.startswith("_")} for r in read] == \
+        [{k: v for k, v in smp.items() if not k.startswith("_")} for smp in samples]
+    assert [r["__key__"] for r in read] == [smp["__key__"] for smp in samples]
+    program = "import sys, chexflow.data.shards, chexflow.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", program], env=cli_env(), capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
