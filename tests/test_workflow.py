@@ -144,9 +144,10 @@ def _finished(run: TinyRun) -> Path:
 
 
 def run_facts(work) -> dict:
-    """What two runs of one chain share when they are reproducible (docs/studies.md): the test metrics and
-    predictions (sha256 of their bytes), each training stage's weights (sha256 over every tensor's name, dtype,
-    shape and bytes) and its per-epoch records but their timings. Self-contained: test_container runs its
+    """What two runs of one chain share when they are reproducible (docs/studies.md): the test predictions
+    (sha256 of their bytes) and metrics, each training stage's weights (sha256 over every tensor's name, dtype,
+    shape and bytes) and its per-epoch records; not the timings, nor the host records that say where each
+    number was computed (the image's Python is not the host's). Self-contained: test_container runs its
     source inside the image, on the image's run."""
     import hashlib
     import json
@@ -154,8 +155,10 @@ def run_facts(work) -> dict:
 
     import torch
     work = Path(work)
-    facts = {name: hashlib.sha256((work / "results/evaluate" / name).read_bytes()).hexdigest()
-             for name in ("metrics.json", "predictions.csv")}
+    where = ("host", "training_host", "images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
+    facts = {"predictions.csv": hashlib.sha256((work / "results/evaluate/predictions.csv").read_bytes()).hexdigest(),
+             "metrics.json": {k: v for k, v in json.loads((work / "results/evaluate/metrics.json").read_text()).items()
+                              if k not in where}}
     for stage in ("pretrain", "finetune"):
         weights = torch.load(work / f"results/{stage}/model.pt", weights_only=True)["state_dict"]
         digest = hashlib.sha256()
@@ -164,8 +167,7 @@ def run_facts(work) -> dict:
             digest.update(f"{name} {t.dtype} {tuple(weights[name].shape)}".encode())
             digest.update(t.view(torch.uint8).numpy().tobytes())
         facts[f"{stage} weights"] = digest.hexdigest()
-        timing = ("images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
-        facts[f"{stage} epochs"] = [{k: v for k, v in json.loads(line).items() if k not in timing}
+        facts[f"{stage} epochs"] = [{k: v for k, v in json.loads(line).items() if k not in where}
                                     for line in (work / f"results/{stage}/metrics.jsonl").read_text().splitlines()]
     return facts
 
@@ -199,6 +201,8 @@ def test_tiny_chain_twice_gives_identical_metrics(request, tmp_path, tiny_run):
         "pretrain_model": 1, "finetune_model": 1, "evaluate_model": 1}
     facts = run_facts(a)
     assert run_facts(b) == facts
+    # on one host the host records are equal too
+    assert (a / "results/evaluate/metrics.json").read_bytes() == (b / "results/evaluate/metrics.json").read_bytes()
     cfg = yaml.safe_load(tiny_run.cfgfile.read_text())
     assert [len(facts[f"{stage} epochs"]) for stage in ("pretrain", "finetune")] == [
         cfg["pretrain"]["epochs"], cfg["finetune"]["epochs"]]
