@@ -147,7 +147,8 @@ def run_facts(work) -> dict:
     """What two runs of one chain share when they are reproducible (docs/studies.md): the test predictions
     (sha256 of their bytes) and metrics, each training stage's weights (sha256 over every tensor's name, dtype,
     shape and bytes) and its per-epoch records; not the timings, nor the host records that say where each
-    number was computed (the image's Python is not the host's). Self-contained: test_container runs its
+    number was computed (the image's Python is not the host's), nor the evaluated model's run id (fine-tuning's
+    hashes the pretraining model's file, its host record included). Self-contained: test_container runs its
     source inside the image, on the image's run."""
     import hashlib
     import json
@@ -155,7 +156,7 @@ def run_facts(work) -> dict:
 
     import torch
     work = Path(work)
-    where = ("host", "training_host", "images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
+    where = ("host", "training_host", "model_run_id", "images_per_sec", "images_per_sec_per_rank", "epoch_time_s")
     facts = {"predictions.csv": hashlib.sha256((work / "results/evaluate/predictions.csv").read_bytes()).hexdigest(),
              "metrics.json": {k: v for k, v in json.loads((work / "results/evaluate/metrics.json").read_text()).items()
                               if k not in where}}
