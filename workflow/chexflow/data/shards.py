@@ -203,9 +203,10 @@ def _encode(sample: Sample, encoding: str) -> dict:
 
 def write_tar(path: Path, samples: Iterable[dict]) -> None:
     """A shard: each sample's files (``{"__key__": key, ext: bytes, ...}``) as tar members ``<key>.<ext>``, in the
-    order of the extensions, with fixed metadata (mode 0444, owner ``bigdata``, mtime 0): reproducible bytes, the
-    bytes webdataset's ``TarWriter(encoder=False, mtime=0)`` writes (tests/test_shards_loader.py compares them).
-    Not that class: its module imports torch, 2 CPU s of each shard job's 3."""
+    order of the extensions, with fixed metadata (mode 0444, owner ``bigdata``, mtime 0, an integer: a float one
+    makes tarfile add a pax header per member): reproducible bytes, the bytes webdataset's
+    ``TarWriter(encoder=False, mtime=0)`` writes (tests/test_shards_loader.py compares them). Not that class:
+    its module imports torch, 2 CPU s of each shard job's 3.7."""
     with open(path, "wb") as fh, tarfile.open(fileobj=fh, mode="w|") as tar:
         for sample in samples:
             key = sample["__key__"]
