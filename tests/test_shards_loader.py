@@ -1,13 +1,17 @@
 """Shards and streaming: patient-wise splits, manifests, resume, exactly-once per epoch."""
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+import webdataset as wds
 
 from chexflow.data import loader as L
 from chexflow.data import shards as S
+from conftest import REPO, cli_env
 
 
 def test_manifest_counts_and_patient_disjoint(demo_manifest):
@@ -153,14 +157,9 @@ def test_reject_fraction_fails_with_names(tmp_path, demo_manifest):
 
 def test_shard_tar_is_byte_for_byte_webdatasets_and_the_job_imports_no_torch(tmp_path):
     """chexflow writes a shard with tarfile (write_tar), not webdataset's TarWriter, whose module imports torch
-    (2 CPU s of a 3 s shard job): the same bytes as TarWriter(encoder=False, mtime=0) for samples of every
+    (2 CPU s of a 3.7 s shard job): the same bytes as TarWriter(encoder=False, mtime=0) for samples of every
     encoding (PNG or raw image, target, meta), so shards written before and after are one format and the
     loader (webdataset's grouping by key) reads them as before. The shard command imports no torch."""
-    import subprocess
-    import sys
-
-    import webdataset as wds
-    from conftest import REPO, cli_env
     rng = np.random.default_rng(5)
     samples = []
     for i, encoding in enumerate(("png", "raw", "png")):

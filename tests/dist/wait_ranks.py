@@ -3,6 +3,7 @@ for ``--wait`` seconds before each collective (an allreduce, a broadcast of an o
 rank 1 waits in it. Records, per rank, the collectives' results and the CPU time of the calling thread
 inside each one. ``--spin``: Horovod's own wait (chexflow's polling taken out again), for comparison."""
 import argparse
+import importlib
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from chexflow.train.backends import init_backend
+from chexflow.train.backends.horovod import SYNCHRONIZE_MODULES
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", type=Path, required=True)
@@ -19,11 +21,8 @@ args = ap.parse_args()
 
 backend = init_backend("horovod", stage_through_cpu=True)
 if args.spin:
-    import horovod.torch.functions as functions
-    import horovod.torch.mpi_ops as mpi_ops
-    import horovod.torch.optimizer as optimizer
-    for module in (mpi_ops, optimizer, functions):
-        module.synchronize = getattr(module.synchronize, "__wrapped__", module.synchronize)
+    for module in map(importlib.import_module, SYNCHRONIZE_MODULES):
+        module.synchronize = module.synchronize.__wrapped__
 
 
 def timed(collective):

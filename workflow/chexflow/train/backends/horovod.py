@@ -50,6 +50,8 @@ def dense_layout_compression(inner, *, stage_through_cpu: bool = False):
 
 
 POLL_INTERVAL_S = 0.0005
+# the modules of horovod.torch that bind ``synchronize`` by name (0.28.1)
+SYNCHRONIZE_MODULES = ("horovod.torch.mpi_ops", "horovod.torch.optimizer", "horovod.torch.functions")
 
 
 def poll_while_waiting(interval_s: float = POLL_INTERVAL_S) -> None:
@@ -62,10 +64,11 @@ def poll_while_waiting(interval_s: float = POLL_INTERVAL_S) -> None:
     the rank doing the work: rank 0 hashing shards, writing a checkpoint or scoring validation.
     The replacement polls the handle every ``interval_s`` with sleeps in between. Horovod's own
     ``synchronize`` then takes the finished handle, raising its error if it has one, and returns
-    at once. Horovod binds the name in three modules; it is replaced in all three. Idempotent."""
-    import horovod.torch.functions as functions
+    at once. Horovod binds the name in three modules (SYNCHRONIZE_MODULES); it is replaced in all three,
+    the original kept as ``__wrapped__``. Idempotent."""
+    import importlib
+
     import horovod.torch.mpi_ops as mpi_ops
-    import horovod.torch.optimizer as optimizer
     wait = mpi_ops.synchronize
     if getattr(wait, "chexflow_polls", False):
         return
@@ -77,8 +80,8 @@ def poll_while_waiting(interval_s: float = POLL_INTERVAL_S) -> None:
 
     synchronize.chexflow_polls = True
     synchronize.__doc__, synchronize.__wrapped__ = wait.__doc__, wait
-    for module in (mpi_ops, optimizer, functions):
-        module.synchronize = synchronize
+    for name in SYNCHRONIZE_MODULES:
+        importlib.import_module(name).synchronize = synchronize
 
 
 class HorovodBackend(Backend):
