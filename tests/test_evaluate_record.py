@@ -106,3 +106,33 @@ def test_reader_refuses_anything_else_naming_the_key(tmp_path: Path, change, mes
     with pytest.raises(record.MetricsRecordError, match=message) as err:
         record.read_metrics(_write(tmp_path, m))
     assert str(tmp_path / "metrics.json") in str(err.value)
+
+
+def test_predictions_written_and_read_are_the_scores_and_their_auroc_bit_for_bit(tmp_path: Path):
+    """A tiny model's scores crowd together: 400 float32 scores within 3e-6 of each other (as in a CI run
+    where the Nodule scores sat near 0.0221636). Written with 6 significant digits they tied, and the AUROC
+    recomputed from the file moved by more than 1e-4; written as FLOAT_FORMAT they read back as the same
+    float32 values, and every AUROC recomputed from the file is the evaluation's exactly."""
+    import pandas as pd
+    from sklearn.metrics import roc_auc_score
+
+    from chexflow.evaluate.metrics import auroc_per_label
+
+    rng = np.random.default_rng(7)
+    n = 400
+    base = np.float32(0.0221636)
+    scores = (base + rng.integers(-25, 25, n).astype(np.float32) * np.spacing(base)).astype(np.float32)
+    y = rng.integers(0, 2, n).astype(np.float64)
+    table = pd.DataFrame({"image": [f"{i:08d}_000.png" for i in range(n)], "patient": [str(i) for i in range(n)],
+                          "Nodule": y, "Nodule_score": scores})
+    record.write_predictions(tmp_path / "predictions.csv", table)
+    back = record.read_predictions(tmp_path / "predictions.csv", ["Nodule"])
+    assert back["Nodule_score"].dtype == np.float32
+    assert np.array_equal(back["Nodule_score"].to_numpy(), scores)
+    ours = auroc_per_label(y[:, None], scores[:, None], ["Nodule"])["Nodule"]
+    assert roc_auc_score(back["Nodule"], back["Nodule_score"]) == roc_auc_score(y, scores) == ours
+    # the format it replaces: the same table with 6 significant digits ties scores and moves the AUROC
+    table.to_csv(tmp_path / "six.csv", index=False, float_format="%.6g")
+    six = pd.read_csv(tmp_path / "six.csv")
+    assert six["Nodule_score"].nunique() < len(np.unique(scores))
+    assert roc_auc_score(six["Nodule"], six["Nodule_score"]) != roc_auc_score(y, scores)

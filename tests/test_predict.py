@@ -198,7 +198,7 @@ def test_predict_on_the_test_pngs_gives_evaluations_probabilities(study, tmp_pat
     want = np.stack([study.scores[n] for n in names]).astype(np.float64)
     print(f"max |predict - evaluate| over {len(names)} test images: {np.abs(got - want).max():.3g}")
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    # the written CSV: the same numbers (6 significant digits, as evaluation's own CSV)
+    # the written CSV: the same numbers (float32 read back exactly, as evaluation's own CSV)
     written = read_predictions(out)
     evaluation = study.evaluation.set_index("image").loc[names]
     np.testing.assert_allclose(scores_of(written, study.labels), scores_of(evaluation, study.labels),

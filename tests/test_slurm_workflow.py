@@ -372,10 +372,12 @@ def test_time_limit_then_node_failure_during_pretraining_resume_and_run_through_
        envs/setup.sh) then submits fine-tuning, evaluation and the report normally instead of
        `--exclude=None assigned`, and the report is made again."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    # 14 epochs of 15 steps (210): on host B, idle, the TIMEOUT came at step 74 and the node failure at 76
-    # (SLURM checks time limits every 30 s; the steps in between depend on the CPU: fewer on a slower
-    # host). The attempt after the node failure trains the rest: 24 epochs made it 270 s of the test's 530.
-    epochs = 14
+    # 8 epochs of 15 steps (120). SLURM checks time limits every 30 s, and the steps trained in between
+    # depend on the CPU. On host B, idle, with both ranks on their own core, the TIMEOUT came at step 74 of
+    # 210; the cluster's jobs now share one core (cluster.sh: CHEXFLOW_SLURM_AFFINITY), so about half as
+    # many, and fewer on a slower host. The attempt after the node failure trains the rest: with 14
+    # epochs that was 271 of the SLURM jobs' 844 CPU s on a host 2x slower than B.
+    epochs = 8
     variant = _pretrain_variant(cfg, seed=11, epochs=epochs)
     variant["finetune"]["epochs"] = 1       # what follows pretraining runs again: its cheapest budget
     cfgfile.write_text(yaml.safe_dump(variant))

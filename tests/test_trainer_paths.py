@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from chexflow import host
+from chexflow.data.manifest import split_shards
 from chexflow.data.stamps import StampStore
 from chexflow.settings import from_dict
 from chexflow.train.config import TrainConfig
@@ -119,9 +120,18 @@ def test_frozen_stages_keep_weights_and_batchnorm_statistics(demo_manifest, tmp_
 
 @pytest.mark.slow
 def test_compile_forced_on_cpu(demo_manifest, tmp_path):
+    """torch.compile with channels_last and bf16 forced on CPU. Two graphs, training's and validation's
+    (no_grad): the validation split's last batch is partial and is padded to the others' shape, where
+    it made a third graph with dynamic shapes (a quarter of this test's CPU)."""
+    from torch._dynamo.utils import counters
+
     cfg = cfg_of(max_steps=2, epochs=1, compile=True, channels_last="always", precision="bf16")
     t = trainer(cfg, demo_manifest, tmp_path)
+    n_val = sum(s.count for s in split_shards(demo_manifest, "val"))
+    assert n_val % cfg.batch_size, f"{n_val} validation images fill every batch: no partial batch to pad"
+    counters.clear()
     assert t.fit() == 0
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)["state_dict"]
     assert "conv1.weight" in saved and not any(k.startswith("_orig_mod") for k in saved)
 

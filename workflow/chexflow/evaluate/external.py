@@ -25,7 +25,7 @@ from chexflow.data import labelmap, loader
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
 from chexflow.evaluate.metrics import independent_bootstrap_auroc_diff, positives
-from chexflow.evaluate.record import read_metrics, read_predictions
+from chexflow.evaluate.record import read_metrics, read_predictions, write_predictions
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model
 
@@ -113,8 +113,7 @@ def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: li
     for k, (ours, theirs) in enumerate(found.pairs):
         cols[ours] = ext[0][:, k]
         cols[f"{ours}_score"] = ext[1][:, k]
-    with atomic_path(out_dir / "predictions.csv") as tmp:
-        pd.DataFrame(cols).to_csv(tmp, index=False, float_format="%.6g")
+    write_predictions(out_dir / "predictions.csv", pd.DataFrame(cols))
     rows = [{"finding": f["finding"], "external_label": f["external_label"],
              **{f"{side}_{k}": v for side in ("internal", "external")
                 for k, v in zip(("auroc", "ci_low", "ci_high"), (f[side]["auroc"], *(f[side]["ci"] or [None, None])))},

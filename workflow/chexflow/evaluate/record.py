@@ -26,7 +26,7 @@ import pandas as pd
 
 from chexflow import host
 from chexflow.evaluate.metrics import operating_point, youden_threshold
-from chexflow.fsutil import open_regular, read_text_regular
+from chexflow.fsutil import atomic_path, open_regular, read_text_regular
 
 Split = Literal["validation", "test"]
 SPLITS: tuple[Split, ...] = ("validation", "test")
@@ -157,13 +157,27 @@ def read_metrics(path: Path) -> dict[str, Any]:
     return data
 
 
+# A predictions table's floats as written: the scores are float32 (the model's sigmoid), and 9 significant
+# digits write every float32 so that it reads back as itself (FLT_DECIMAL_DIG). Anything recomputed from the
+# file (a finding's AUROC, a score's side of a threshold) is then what the evaluation computed from the
+# scores themselves; with 6 digits, near-equal scores became ties and moved a tiny model's AUROC by 2e-4.
+FLOAT_FORMAT = "%.9g"
+
+
+def write_predictions(path: Path, table: pd.DataFrame) -> None:
+    """A predictions table (evaluation's, external validation's, predict's) to ``path``: complete or absent."""
+    with atomic_path(Path(path)) as tmp:
+        table.to_csv(tmp, index=False, float_format=FLOAT_FORMAT)
+
+
 class PredictionsRecordError(ValueError):
     """A predictions.csv that is not the evaluation's (names the file and the column)."""
 
 
 def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
     """``predictions.csv`` as ``evaluate.run`` writes it: image, patient, then per label ``L`` (0/1/empty)
-    and ``L_score``; anything else fails naming the file and the column."""
+    and ``L_score``; anything else fails naming the file and the column. The scores come back as the
+    float32 values the evaluation computed (:data:`FLOAT_FORMAT`), bit for bit."""
     path = Path(path)
     try:
         with open_regular(path, what="predictions.csv") as fh:
@@ -180,4 +194,5 @@ def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
         for col in (lab, f"{lab}_score"):
             if not pd.api.types.is_numeric_dtype(df[col]):
                 raise PredictionsRecordError(f"{path}: column {col!r} is not numeric")
+        df[f"{lab}_score"] = df[f"{lab}_score"].astype(np.float32)
     return df

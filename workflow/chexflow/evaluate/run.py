@@ -25,7 +25,7 @@ from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
                                        precision_recall)
 from chexflow.evaluate.published import CHEXNET
-from chexflow.evaluate.record import LabelRecord, choose_operating_point
+from chexflow.evaluate.record import LabelRecord, choose_operating_point, write_predictions
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.settings import ConfigError
 from chexflow.train.checkpoint import load_model
@@ -264,8 +264,7 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
     for j, label in enumerate(labels):
         cols[label] = y[:, j]
         cols[f"{label}_score"] = s[:, j]
-    with atomic_path(out_dir / "predictions.csv") as tmp:
-        pd.DataFrame(cols).to_csv(tmp, index=False, float_format="%.6g")
+    write_predictions(out_dir / "predictions.csv", pd.DataFrame(cols))
     rows = [{"label": L, "auroc": result["labels"][L]["auroc"],
              "ci_low": (result["labels"][L]["ci"] or [None, None])[0],
              "ci_high": (result["labels"][L]["ci"] or [None, None])[1],

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from chexflow.data.images import DecodeError
-from chexflow.fsutil import atomic_path
+from chexflow.evaluate.record import write_predictions
 from chexflow.predict.config import PredictConfig
 from chexflow.predict.files import Reader, list_inputs, reader_for
 from chexflow.predict.model import Predictor, load_predictor, pick_device
@@ -80,8 +80,7 @@ def run(cfg: PredictConfig, *, model_path: Path, out_csv: Path, manifest: Path |
         bar.update(len(batch))
     bar.close()
     table = _table(rows, predictor, cfg.heatmaps)
-    with atomic_path(out_csv) as tmp:
-        table.to_csv(tmp, index=False, float_format="%.6g")
+    write_predictions(out_csv, table)
     failed = table[table["error"] != ""]
     first = f" (first: {failed['file'].iloc[0]}: {failed['error'].iloc[0]})" if len(failed) else ""
     _log(f"{out_csv}: {len(table) - len(failed)} of {len(table)} files predicted, {len(failed)} not read{first}")

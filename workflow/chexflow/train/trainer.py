@@ -306,7 +306,8 @@ class Trainer:
         backend = self.backend
         backend.broadcast_buffers(self.model)   # every rank evaluates rank 0's model
         val_loss, val_metric, metric_name = validate(model, self.data, backend, self.device, bf16=self.bf16,
-                                                     channels_last=self.channels_last, loader=self.val_loader)
+                                                     channels_last=self.channels_last, loader=self.val_loader,
+                                                     one_shape=self.cfg.compile)
         per_rank = backend.allgather_object(stats["seen"] / max(stats["elapsed"], 1e-9))
         complete = prog.in_epoch >= self.steps_per_epoch
         row = {"epoch": prog.epoch + 1, "step": prog.step, "train_loss": stats["train_loss"], "val_loss": val_loss,
