@@ -372,12 +372,11 @@ def test_time_limit_then_node_failure_during_pretraining_resume_and_run_through_
        envs/setup.sh) then submits fine-tuning, evaluation and the report normally instead of
        `--exclude=None assigned`, and the report is made again."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    # 8 epochs of 15 steps (120). SLURM checks time limits every 30 s, and the steps trained in between
-    # depend on the CPU. On host B, idle, with both ranks on their own core, the TIMEOUT came at step 74 of
-    # 210; the cluster's jobs now share one core (cluster.sh: CHEXFLOW_SLURM_AFFINITY), so about half as
-    # many, and fewer on a slower host. The attempt after the node failure trains the rest: with 14
-    # epochs that was 271 of the SLURM jobs' 844 CPU s on a host 2x slower than B.
-    epochs = 8
+    # 10 epochs of 15 steps (150). SLURM checks time limits every 30 s, and the steps trained in between
+    # depend on the CPU: on host B, idle, the TIMEOUT came at step 74 (at most ~77: 5 steps, then two of
+    # SLURM's 30 s checks), fewer on a slower host. The attempt after the node failure trains the rest:
+    # with 14 epochs, 271 of the SLURM jobs' 844 CPU s on a host half as fast as B.
+    epochs = 10
     variant = _pretrain_variant(cfg, seed=11, epochs=epochs)
     variant["finetune"]["epochs"] = 1       # what follows pretraining runs again: its cheapest budget
     cfgfile.write_text(yaml.safe_dump(variant))

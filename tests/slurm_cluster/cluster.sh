@@ -32,10 +32,6 @@
 #   CHEXFLOW_SLURM_START_TIMEOUT (90 s)   CHEXFLOW_SLURM_ACCOUNTING (1; 0 = no slurmdbd,
 #     then there is no usable sacct and the executor must use --slurm-status-command=squeue)
 #   CHEXFLOW_SLURM_ACCOUNT (chexflow: SLURM account created for root in the accounting DB)
-#   CHEXFLOW_SLURM_AFFINITY (0: the host's cores the slurmds, and so every job, run on, as a taskset
-#     list; empty = all). With TaskPlugin=task/none a job keeps its slurmd's affinity: on core 0 the
-#     jobs of the tests' fault scenarios, which train while SLURM's 30 s timers run, take one core of
-#     the two beside the test workers, not both, and train half as many steps in that time.
 set -euo pipefail
 
 DIR=${CHEXFLOW_SLURM_DIR:-/tmp/chexflow-slurm}
@@ -47,7 +43,6 @@ PORT_BASE=${CHEXFLOW_SLURM_PORT_BASE:-16800}
 START_TIMEOUT=${CHEXFLOW_SLURM_START_TIMEOUT:-90}
 ACCOUNTING=${CHEXFLOW_SLURM_ACCOUNTING:-1}
 ACCOUNT=${CHEXFLOW_SLURM_ACCOUNT:-chexflow}
-AFFINITY=${CHEXFLOW_SLURM_AFFINITY-0}
 CLUSTER_NAME=chexflow
 
 DB_PORT=$((PORT_BASE + 6))
@@ -357,14 +352,10 @@ start_slurmds() {
   local n started=0
   for n in $(node_names); do
     pid_alive "$DIR/run/slurmd-$n.pid" && continue
-    if [[ -n $AFFINITY ]]; then
-      taskset -c "$AFFINITY" slurmd -f "$CONF" -N "$n" || { dump_logs >&2; die "slurmd -N $n failed to start"; }
-    else
-      slurmd -f "$CONF" -N "$n" || { dump_logs >&2; die "slurmd -N $n failed to start"; }
-    fi
+    slurmd -f "$CONF" -N "$n" || { dump_logs >&2; die "slurmd -N $n failed to start"; }
     started=$((started + 1))
   done
-  ((started == 0)) || log "started $started slurmd${AFFINITY:+ on cores $AFFINITY}"
+  ((started == 0)) || log "started $started slurmd"
 }
 
 nodes_idle() {
