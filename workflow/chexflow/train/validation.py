@@ -19,25 +19,24 @@ def validate(model, data: TrainData, backend: Backend, device: torch.device, *, 
              channels_last: bool, loader, one_shape: bool = False) -> tuple[float, float, str]:
     """(validation loss, metric, metric name) of ``model`` over the whole split, the same on every rank.
     ``loader``: the run's validation loader (``data.val_loader``), built once per run. ``one_shape`` (a
-    compiled model): the split's last, partial batch is padded to the first batch's size (copies of its
-    last image, whose outputs are dropped), so the model sees one input shape: a smaller batch made
+    compiled model): a partial batch (the split's last) is padded to the batch size (copies of its last
+    image, whose outputs are dropped), so the model sees one input shape: a smaller batch made
     torch.compile build a third graph, with dynamic shapes, on every rank of every run."""
     model.eval()
     scores, targets_all = [], []
     loss_sum, count = torch.zeros((), device=device), 0
-    full = None                 # the first batch's size: the shape the compiled model was built for
+    full = data.cfg.batch_size if one_shape else None     # the loader's batch (data.val_loader)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         for images, targets, _ in loader:
             x = data.augment(images.to(device, non_blocking=True), train=False, generator=None,
                              channels_last=channels_last)
             n = x.shape[0]
-            full = full or n
-            if one_shape and n < full:
+            if full and n < full:
                 x = torch.cat([x, x[-1:].expand(full - n, *x.shape[1:])]).contiguous(
                     memory_format=torch.channels_last if channels_last else torch.contiguous_format)
             logits = model(x)[:n].float()
-            loss_sum += task_loss(data.task, logits, targets.to(device, non_blocking=True)) * images.shape[0]
-            count += images.shape[0]
+            loss_sum += task_loss(data.task, logits, targets.to(device, non_blocking=True)) * n
+            count += n
             scores.append(logits)               # stays on the device until the split is done
             targets_all.append(targets)
     n_classes = len(data.labels)
