@@ -39,15 +39,17 @@ args = ap.parse_args()
 
 cfg = load_stage_config(TrainConfig, text=args.config_json)
 backend = backend_for(cfg)
-# read before counting: what a first model build and optimizer read (torch.optim imports TorchDynamo
-# when an optimizer is made: modules, not data), then the sources that torch.manual_seed reads on a host
-# without CUDA (torch.cuda's lazy seeding formats the caller's stack): the trainer's module and, since
-# TorchDynamo's import wraps manual_seed in its disable decorator, eval_frame.py and _compile.py
+# read before counting: what a first model build and optimizer read (modules, not data; with torch as
+# released, torch.optim imported TorchDynamo here: envs/patches/torch-dynamo-import.md), then the sources that
+# torch.manual_seed reads on a host without CUDA (torch.cuda's lazy seeding formats the caller's stack): the
+# trainer's module and, in a process that imported TorchDynamo, eval_frame.py and _compile.py
 torch.optim.SGD(build_model(cfg.model.arch, in_channels=1, num_outputs=1).parameters(), lr=0.1)
 torch.manual_seed(0)
 # and the modules a run imports when it first needs them (scikit-learn, imported by rank 0 at validation
-# alone, no longer brings them in first): the lease's psutil, the loader's worker semaphores
+# alone, no longer brings them in first; nor does TorchDynamo, which torch.optim no longer imports): the
+# lease's psutil, the loader's worker semaphores, the shuffle's numpy.random
 import multiprocessing.synchronize  # noqa: E402,F401
+import numpy.random  # noqa: E402,F401
 import psutil  # noqa: E402,F401
 linecache.getlines(T.__file__)
 marks = {"trainer": rchar()}

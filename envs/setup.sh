@@ -9,7 +9,8 @@
 #   for its node-failure bug, torchvision's import without TorchDynamo, and Horovod 0.28.1 built
 #   against the installed torch (cached wheel under ~/.cache/chexflow/wheels); all by the installers in
 #   envs/chexflow_install (build tooling, not part of the chexflow package), run with envs/ on
-#   PYTHONPATH: python -m chexflow_install.slurm_plugin, python -m chexflow_install.torchvision_dynamo
+#   PYTHONPATH: python -m chexflow_install.slurm_plugin, python -m chexflow_install.torchvision_dynamo,
+#   python -m chexflow_install.torch_dynamo
 #   and python -m chexflow_install.horovod.
 #
 # Usage: bash envs/setup.sh [--test] [--pins-only]
@@ -79,6 +80,9 @@ installer slurm_plugin
 
 say "torchvision: import it without TorchDynamo (envs/patches/torchvision-dynamo-import.md)"
 installer torchvision_dynamo
+
+say "torch: optimizers without TorchDynamo when nothing compiles (envs/patches/torch-dynamo-import.md)"
+installer torch_dynamo
 
 say "Horovod (built once against this torch, then taken from the wheel cache)"
 installer horovod

@@ -108,3 +108,17 @@ def test_suite_processes_records_every_python_process_it_starts_and_tells_them_a
     again = subprocess.run([sys.executable, str(ROOT / "bench/suite_processes.py"), "--log", str(log)],
                            capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and again.stdout == proc.stdout
+
+
+def test_rank_start_times_a_real_rank_both_ways(tmp_path):
+    """bench/rank_start.py: a real `chexflow train` as installed and with what torch as released imported first
+    (TorchDynamo, Inductor's configuration): one run of each, both trained, their figures and ratio written."""
+    out = tmp_path / "rank.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/rank_start.py"), "--runs", "1", "--warmup", "0",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["runs"] == 1 and r["steps"] == 10 and r["host"]["cpu_capability"]
+    assert r["rank"]["cpu_ratio"] == pytest.approx(r["rank"]["now"]["cpu_s"] / r["rank"]["before"]["cpu_s"])
+    assert all(0 < r["rank"][way]["cpu_s"] < 300 and r["rank"][way]["peak_mib"] > 0 for way in ("now", "before"))
+    assert "a training rank (10 steps, ResNet-18, 32 px): now" in proc.stdout

@@ -109,6 +109,10 @@ def test_weights_identical_across_ranks_and_rank0_alone_writes(reference_runs, b
     assert info0["validations"] == info1["validations"] and len(info0["validations"]) == 2
     assert [v[1:] for v in info0["validations"]] == [[r["val_metric"], "mean_auroc"] for r in h]
     assert (info0["sklearn_imported"], info1["sklearn_imported"]) == (True, False)
+    # a run that does not compile never imports TorchDynamo or Inductor on any rank (envs/patches/
+    # torch-dynamo-import.md: torch.optim's wrappers; the trainer's deterministic flag), and is deterministic
+    assert [info0["compiler_imported"], info1["compiler_imported"]] == [[], []]
+    assert info0["deterministic"] and info1["deterministic"]
     # the saved model is rank 0's, selected on validation
     model = torch.load(work / "out" / "model.pt", weights_only=True)
     assert model["val_metric_name"] == "mean_auroc" and model["epoch"] in (1, 2)

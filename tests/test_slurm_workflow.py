@@ -59,6 +59,10 @@ def slurm_demo(slurm_cluster, tmp_path_factory, request):  # noqa: F811
     """The demo workflow, run once on the cluster: (cluster, workdir, config, config file, log)."""
     cfg = tiny_config("horovod", arch="resnet18")     # the faults are timed against its steps and checkpoints
     cfg["finetune"]["epochs"] = 2
+    # one archive per release: every rule is still a job on its partition, with 7 jobs fewer than 3 + 2 archives
+    # (each job's two Snakemake processes cost more than its work)
+    for release in ("demo_release", "demo_pretrain_release"):
+        cfg[release]["images_per_archive"] = cfg[release]["n_images"]
     # SLURM mechanics only: the ablation (on in the default demo) has its own tests and would run
     # fine-tuning twice on the small cluster
     cfg["ablation"]["enabled"] = False

@@ -1,5 +1,6 @@
 """One rank of a real training run that also records, for the tests, what this rank wrote, what each
-validation returned on it, whether it imported scikit-learn, and its final weights. Started by the tests through `chexflow launch` (horovodrun / torchrun)."""
+validation returned on it, whether it imported scikit-learn or torch's compiler (TorchDynamo, Inductor), and its
+final weights. Started by the tests through `chexflow launch` (horovodrun / torchrun)."""
 import argparse
 import json
 import os
@@ -60,6 +61,9 @@ rank = backend.rank
 torch.save({k: v.detach().cpu() for k, v in trainer.model.named_parameters()}, args.dump / f"rank{rank}.pt")
 (args.dump / f"rank{rank}.json").write_text(json.dumps({"writes": writes, "world": backend.size,
                                                         "code": code, "pid": os.getpid(), "validations": validations,
-                                                        "sklearn_imported": "sklearn" in sys.modules}))
+                                                        "sklearn_imported": "sklearn" in sys.modules,
+                                                        "compiler_imported": sorted({"torch._dynamo", "torch._inductor"}
+                                                                                    & set(sys.modules)),
+                                                        "deterministic": torch.are_deterministic_algorithms_enabled()}))
 backend.shutdown()
 sys.exit(code)

@@ -79,6 +79,21 @@ class NoValidEpoch(RuntimeError):
     """The run validated no epoch with a finite metric: there is no model of this run to write."""
 
 
+def deterministic_kernels(compiled: bool) -> None:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)``, without importing Inductor for an eager run.
+
+    The public call sets two flags: the one eager kernels read (``torch._C``) and Inductor's
+    ``deterministic`` option, for which it imports ``torch._inductor.config`` and with it Inductor's package:
+    1.5 CPU-s of every rank's start (docs/benchmarks-log.md). A run that does not compile has no Inductor kernel
+    for that option to reach, so it sets the first flag alone, with the call's own setter. A compiled run, or a
+    process that loaded Inductor already, takes the public call."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if compiled or setter is None or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        setter(True, warn_only=True)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, paths: TrainPaths, backend: Backend,
                  device: torch.device | None = None) -> None:
@@ -95,7 +110,7 @@ class Trainer:
             threads = os.environ.get("OMP_NUM_THREADS") or max(1, cores // max(backend.local_size, 1))
             torch.set_num_threads(int(threads))       # ranks sharing a node share its cores
             if cfg.deterministic:
-                torch.use_deterministic_algorithms(True, warn_only=True)
+                deterministic_kernels(compiled=cfg.compile)
         # the GPU branches, each reachable on CPU when the config forces it (tests of the GPU path)
         self.channels_last = cfg.channels_last == "always" or (cfg.channels_last == "auto" and device.type == "cuda")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
