@@ -228,6 +228,16 @@ def test_image_records_the_commit_and_the_pins(image):
 
 
 @in_image
+def test_the_image_carries_the_installers_patches(image):
+    """envs/setup.sh's edits of installed packages, made inside the image as on a workstation: the SLURM plugin's
+    node-failure fix, torchvision and torch without TorchDynamo when nothing compiles (`--check` exits 1 if not)."""
+    out = run_in(image, "cd /opt/chexflow && for m in slurm_plugin torchvision_dynamo torch_dynamo; do "
+                        "PYTHONPATH=envs python -m chexflow_install.$m --check || echo NOT $m; done")
+    assert "NOT" not in out, out[-3000:]
+    assert out.count("torch 2.14.1 is patched") == 3 and "torchvision 0.29.1 is patched" in out, out[-3000:]
+
+
+@in_image
 def test_chexflow_help_in_the_image(image):
     out = run_in(image, "/opt/chexflow/envs/container-entrypoint.sh --help && cd /tmp && chexflow --help "
                         "&& snakemake --version && python -c 'import sys; print(sys.prefix)'")
