@@ -78,8 +78,9 @@ def test_installed_torch_is_patched_and_an_eager_rank_imports_no_compiler():
 
 def test_the_optimizer_steps_as_before_eager_and_compiled():
     """Eager, the patched wrappers give the weights torch's own give (the same step with dynamo loaded first: the
-    unpatched path), and DDP built with dynamo loaded takes the python reducer its configuration asks for; compiled, the wrapper finds dynamo loaded and breaks the graph (`graph_break()`, as torch's
-    wrapper does) and the step ends where the eager step ends; a compiled run's flag reaches Inductor's configuration too."""
+    unpatched path), and DDP built with dynamo loaded takes the python reducer its configuration asks for;
+    compiled, the wrapper finds dynamo loaded and breaks the graph (`graph_break()`, as torch's wrapper does)
+    and the step ends where the eager step ends; a compiled run's flag reaches Inductor's configuration too."""
     *_, eager = _run(PROBE)
     *_, loaded_first = _run("import torch._dynamo\n" + PROBE)
     assert eager == loaded_first

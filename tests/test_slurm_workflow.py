@@ -376,11 +376,13 @@ def test_time_limit_then_node_failure_during_pretraining_resume_and_run_through_
        envs/setup.sh) then submits fine-tuning, evaluation and the report normally instead of
        `--exclude=None assigned`, and the report is made again."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    # 10 epochs of 15 steps (150). SLURM checks time limits every 30 s, and the steps trained in between
+    # 8 epochs of 15 steps (120). SLURM checks time limits every 30 s, and the steps trained in between
     # depend on the CPU: on host B, idle, the TIMEOUT came at step 74 (at most ~77: 5 steps, then two of
-    # SLURM's 30 s checks), fewer on a slower host. The attempt after the node failure trains the rest:
-    # with 14 epochs, 271 of the SLURM jobs' 844 CPU s on a host half as fast as B.
-    epochs = 10
+    # SLURM's 30 s checks), fewer on a slower host (~30 on host D in CI). The retry resumes there and its
+    # node goes down after its next checkpoint (5 steps on), so ~35 steps are left for the attempt after
+    # the node failure on host B. That attempt trains the rest, whatever the host: each epoch fewer is
+    # 15 steps fewer of it (on host D, 10 epochs made it 160 of the SLURM jobs' 584 training CPU s).
+    epochs = 8
     variant = _pretrain_variant(cfg, seed=11, epochs=epochs)
     variant["finetune"]["epochs"] = 1       # what follows pretraining runs again: its cheapest budget
     cfgfile.write_text(yaml.safe_dump(variant))
@@ -454,7 +456,9 @@ def test_killed_snakemake_then_rerun_names_the_orphaned_job_and_never_doubles_it
     advice is followed the rerun resumes; every attempt's log is kept. The orphan is suspended
     while the reruns run (it stays a live job, whatever the machine's speed)."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=13, epochs=3)))
+    # 2 epochs (30 steps): the orphan stops by SIGTERM a few steps after its second checkpoint (step 10,
+    # one after the suspension), and the rerun resumes there and trains the rest
+    cfgfile.write_text(yaml.safe_dump(_pretrain_variant(cfg, seed=13, epochs=2)))
     target = "results/pretrain/model.pt"
     before = len(_attempt_logs(work, "pretrain"))
     t0 = time.time()

@@ -56,7 +56,8 @@ class SourcePatch:
     def apply_to(self, path: Path, version: str, *, check: bool = False) -> tuple[bool, str]:
         """Patch ``path``, the module's file in ``dist`` ``version``: (done or nothing to do, what happened)."""
         if version != self.version:
-            return True, f"{self.dist} {version}: left as it is (the patch is written for {self.version}; {self.writeup})"
+            return True, (f"{self.dist} {version}: left as it is (the patch is written for {self.version}; "
+                          f"{self.writeup})")
         text = path.read_text(encoding="utf-8")
         if self.is_patched(text):
             return True, f"{path}: {self.dist} {version} is patched"

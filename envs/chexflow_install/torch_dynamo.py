@@ -1,16 +1,19 @@
-"""Patch torch 2.14.1 so that a process that never compiles never imports TorchDynamo (about 1.2 CPU-s a rank).
+"""Patch torch 2.14.1 so that a process that never compiles never imports TorchDynamo (a training rank's start).
 
 torch 2.14's optimizers import ``torch._dynamo`` on their first call: ``Optimizer.step`` is wrapped by
 ``_use_grad_for_differentiable``, whose wrapper imports it to call ``torch._dynamo.graph_break()`` around the
 step, and ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``add_param_group`` by ``torch._disable_dynamo``,
 which imports it to build ``torch._dynamo.disable(fn)``. Both only matter while TorchDynamo traces the call,
 and nothing traces unless ``torch._dynamo`` is loaded (``torch.compile`` loads it). ``DistributedDataParallel``
-imports it to read one option of its configuration (``optimize_ddp``), which is its default when it is not loaded. Every training rank that does
-not compile paid the import (TorchDynamo, Inductor's configuration, the AOT compiler's modules) before its first
-step. Each patched place asks ``sys.modules`` first: not loaded, it calls the function as it is (a graph break
-outside tracing and a disabled function outside tracing are that call) and DDP takes the default's reducer;
-loaded, it does what torch does, so a compiled run, and a process that compiled anything before, is unchanged. Upstream is moving the same way
-(pytorch/pytorch#173388: graph break only if needed; #187513: remove these graph breaks).
+imports it to read one option of its configuration (``optimize_ddp``), which is its default when it is not
+loaded. Every training rank that did not compile paid the import (TorchDynamo, Inductor's configuration, the
+AOT compiler's modules) before its first step. Each patched place asks ``sys.modules`` first: not loaded, it
+calls the function as it is (a graph break outside tracing and a disabled function outside tracing are that
+call) and DDP takes the default's reducer; loaded, it does what torch does, so a compiled run, and a process
+that compiled anything before, is unchanged. Upstream is moving the same way (pytorch/pytorch#173388: graph
+break only if needed; #187513: remove these graph breaks). With the trainer's deterministic flag set without
+Inductor (``chexflow.train.trainer.deterministic_kernels``), a rank saves about 2 CPU-s and 100 MiB at each start
+(``bench/rank_start.py``).
 
 Applied by ``envs/setup.sh`` (``python -m chexflow_install.torch_dynamo``) to torch 2.14.1 only, each file exactly
 (``chexflow_install.source_patch``: idempotent, never fails an installation; ``--check`` only reports). A cluster's
