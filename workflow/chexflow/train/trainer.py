@@ -84,7 +84,7 @@ def deterministic_kernels(compiled: bool) -> None:
 
     The public call sets two flags: the one eager kernels read (``torch._C``) and Inductor's
     ``deterministic`` option, for which it imports ``torch._inductor.config`` and with it Inductor's package:
-    1.5 CPU-s of every rank's start (docs/benchmarks-log.md). A run that does not compile has no Inductor kernel
+    2.3 s of a profiled rank's start (docs/benchmarks-log.md). A run that does not compile has no Inductor kernel
     for that option to reach, so it sets the first flag alone, with the call's own setter. A compiled run, or a
     process that loaded Inductor already, takes the public call."""
     setter = getattr(torch._C, "_set_deterministic_algorithms", None)
