@@ -73,38 +73,20 @@ STEP_ORIGINAL = """\
             torch.set_grad_enabled(prev_grad)
         return ret
 """
-STEP_REPLACEMENT = f"""\
-    def _use_grad(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+# the same text with the import replaced by a look in sys.modules, and each graph break made conditional on it
+STEP_REPLACEMENT = STEP_ORIGINAL.replace("""\
+        import torch._dynamo
+""", f"""\
         {MARKER}
         import sys
 
         dynamo = sys.modules.get("torch._dynamo")  # not loaded: nothing traces this call, a graph break is a no-op
-
-        self = cast(Optimizer, args[0])  # assume first positional arg is `self`
-        prev_grad = torch.is_grad_enabled()
-        try:
-            # Note on graph break below:
-            # we need to graph break to ensure that aot respects the no_grad annotation.
-            # This is important for perf because without this, functionalization will generate an epilogue
-            # which updates the mutated parameters of the optimizer which is *not* visible to inductor, as a result,
-            # inductor will allocate for every parameter in the model, which is horrible.
-            # With this, aot correctly sees that this is an inference graph, and functionalization will generate
-            # an epilogue which is appended to the graph, which *is* visible to inductor, as a result, inductor sees that
-            # step is in place and is able to avoid the extra allocation.
-            # In the future, we will either 1) continue to graph break on backward, so this graph break does not matter
-            # or 2) have a fully fused forward and backward graph, which will have no_grad by default, and we can remove this
-            # graph break to allow the fully fused fwd-bwd-optimizer graph to be compiled.
-            # see https://github.com/pytorch/pytorch/issues/104053
-            torch.set_grad_enabled(self.defaults["differentiable"])
+""").replace("""\
+            torch._dynamo.graph_break()
+""", """\
             if dynamo is not None:
                 dynamo.graph_break()
-            ret = func(*args, **kwargs)
-        finally:
-            if dynamo is not None:
-                dynamo.graph_break()
-            torch.set_grad_enabled(prev_grad)
-        return ret
-"""
+""")
 
 # torch/nn/parallel/distributed.py: DistributedDataParallel asks dynamo's configuration which reducer to use
 DDP_ORIGINAL = """\
