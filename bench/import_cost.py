@@ -12,6 +12,7 @@ kernel's accounting of the reaped child) and peak memory. Prints medians and the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +59,25 @@ def run_once(statement: str, path: Path) -> tuple[float, float]:
     return usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
+def paired(ways: dict[str, Callable[[], tuple[float, float]]], new: str, old: str, *, runs: int,
+           warmup: int = 1) -> tuple[dict, str]:
+    """Each of ``ways`` (a fresh process: its (CPU seconds, peak MiB)) run ``warmup`` times untimed, then ``runs``
+    times, alternated: (the medians and each run's CPU per way, with ``cpu_ratio`` of ``new`` to ``old``; the
+    line that says so). Also used by bench/rank_start.py."""
+    for _ in range(warmup):
+        for way in ways.values():
+            way()                                   # warm the page cache and the .pyc files
+    seen = {name: [] for name in ways}
+    for _ in range(runs):
+        for name, way in ways.items():
+            seen[name].append(way())
+    row = {name: {"cpu_s": statistics.median(c for c, _ in got), "peak_mib": statistics.median(m for _, m in got),
+                  "cpu_s_all": [round(c, 2) for c, _ in got]} for name, got in seen.items()}
+    row["cpu_ratio"] = row[new]["cpu_s"] / row[old]["cpu_s"]
+    line = "; ".join(f"{name} {row[name]['cpu_s']:.2f} CPU-s, {row[name]['peak_mib']:.0f} MiB" for name in (new, old))
+    return row, f"{line}; ratio {row['cpu_ratio']:.2f} (medians of {runs})"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each probe and copy")
@@ -66,19 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="chexflow-import-cost-") as tmp:
         paths = copies(Path(tmp))
         for label, statement in PROBES.items():
-            for path in paths.values():
-                run_once(statement, path)                 # warm the page cache and the .pyc files
-            seen = {name: [] for name in paths}
-            for _ in range(args.runs):
-                for name, path in paths.items():
-                    seen[name].append(run_once(statement, path))
-            row = {name: {"cpu_s": statistics.median(c for c, _ in runs), "peak_mib": statistics.median(m for _, m in runs)}
-                   for name, runs in seen.items()}
-            row["cpu_ratio"] = row["patched"]["cpu_s"] / row["released"]["cpu_s"]
-            result["probes"][label] = row
-            print(f"{label}: patched {row['patched']['cpu_s']:.2f} CPU-s, {row['patched']['peak_mib']:.0f} MiB; "
-                  f"released {row['released']['cpu_s']:.2f} CPU-s, {row['released']['peak_mib']:.0f} MiB; "
-                  f"ratio {row['cpu_ratio']:.2f} (medians of {args.runs})")
+            ways = {name: functools.partial(run_once, statement, path) for name, path in paths.items()}
+            result["probes"][label], line = paired(ways, "patched", "released", runs=args.runs)
+            print(f"{label}: {line}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

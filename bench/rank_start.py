@@ -19,10 +19,10 @@ rank. Prints medians and the ratio now / before:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +35,7 @@ sys.path[:0] = [str(REPO / "bench"), str(REPO / "workflow")]
 
 from chexflow import host  # noqa: E402
 from chexflow.config import stage_settings  # noqa: E402
+from import_cost import paired  # noqa: E402
 from train_throughput import write_shards  # noqa: E402
 
 BEFORE = "import torch._dynamo, torch._inductor.config; "
@@ -79,21 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         (root / "shards").mkdir()
         manifest = write_shards(root / "shards", n_train=n_train, n_val=64, size=32, per_shard=64)
         cfg = config(n_train // batch, batch)
-        ways = {"now": "", "before": BEFORE}
-        for _ in range(args.warmup):
-            for prelude in ways.values():
-                run_once(prelude, cfg, manifest, root / "run")      # warm the page cache and the .pyc files
-        seen = {name: [] for name in ways}
-        for _ in range(args.runs):
-            for name, prelude in ways.items():
-                seen[name].append(run_once(prelude, cfg, manifest, root / "run"))
-    row = {name: {"cpu_s": statistics.median(c for c, _ in runs), "peak_mib": statistics.median(m for _, m in runs),
-                  "cpu_s_all": [round(c, 2) for c, _ in runs]} for name, runs in seen.items()}
-    row["cpu_ratio"] = row["now"]["cpu_s"] / row["before"]["cpu_s"]
+        ways = {name: functools.partial(run_once, prelude, cfg, manifest, root / "run")
+                for name, prelude in (("now", ""), ("before", BEFORE))}
+        row, line = paired(ways, "now", "before", runs=args.runs, warmup=args.warmup)
     result = {"host": host.describe(), "runs": args.runs, "steps": n_train // batch, "rank": row}
-    print(f"a training rank ({n_train // batch} steps, ResNet-18, 32 px): now {row['now']['cpu_s']:.2f} CPU-s, "
-          f"{row['now']['peak_mib']:.0f} MiB; before {row['before']['cpu_s']:.2f} CPU-s, "
-          f"{row['before']['peak_mib']:.0f} MiB; ratio {row['cpu_ratio']:.2f} (medians of {args.runs})")
+    print(f"a training rank ({n_train // batch} steps, ResNet-18, 32 px): {line}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
