@@ -60,10 +60,11 @@ def run_once(statement: str, path: Path) -> tuple[float, float]:
 
 
 def paired(ways: dict[str, Callable[[], tuple[float, float]]], new: str, old: str, *, runs: int,
-           warmup: int = 1) -> tuple[dict, str]:
-    """Each of ``ways`` (a fresh process: its (CPU seconds, peak MiB)) run ``warmup`` times untimed, then ``runs``
-    times, alternated: (the medians and each run's CPU per way, with ``cpu_ratio`` of ``new`` to ``old``; the
-    line that says so). Also used by bench/rank_start.py."""
+           warmup: int = 1, second: tuple[str, str] = ("peak_mib", "MiB")) -> tuple[dict, str]:
+    """Each of ``ways`` (a fresh process: its (CPU seconds, a second figure: by default its peak MiB)) run
+    ``warmup`` times untimed, then ``runs`` times, alternated: (the medians and each run's CPU per way, with
+    ``cpu_ratio`` of ``new`` to ``old``; the line that says so). ``second``: the second figure's key and unit.
+    Also used by bench/rank_start.py and bench/rank_threads.py."""
     for _ in range(warmup):
         for way in ways.values():
             way()                                   # warm the page cache and the .pyc files
@@ -71,10 +72,11 @@ def paired(ways: dict[str, Callable[[], tuple[float, float]]], new: str, old: st
     for _ in range(runs):
         for name, way in ways.items():
             seen[name].append(way())
-    row = {name: {"cpu_s": statistics.median(c for c, _ in got), "peak_mib": statistics.median(m for _, m in got),
+    key, unit = second
+    row = {name: {"cpu_s": statistics.median(c for c, _ in got), key: statistics.median(m for _, m in got),
                   "cpu_s_all": [round(c, 2) for c, _ in got]} for name, got in seen.items()}
     row["cpu_ratio"] = row[new]["cpu_s"] / row[old]["cpu_s"]
-    line = "; ".join(f"{name} {row[name]['cpu_s']:.2f} CPU-s, {row[name]['peak_mib']:.0f} MiB" for name in (new, old))
+    line = "; ".join(f"{name} {row[name]['cpu_s']:.2f} CPU-s, {row[name][key]:.0f} {unit}" for name in (new, old))
     return row, f"{line}; ratio {row['cpu_ratio']:.2f} (medians of {runs})"
 
 

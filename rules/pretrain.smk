@@ -24,6 +24,7 @@ rule pretrain_model:
     # cost 2.3-2.5x the CPU of one, and two one-core jobs (pretraining and the ablation's
     # fine-tuning) side by side beat one two-core job after the other (BENCHMARKS.md);
     # `--set-resources pretrain_model:tasks=N` and the SLURM profile set N ranks and their cores
+    # (`chexflow launch` shares the job's threads among its local ranks)
     threads: 1
     resources:
         tasks=1,

@@ -122,3 +122,20 @@ def test_rank_start_times_a_real_rank_both_ways(tmp_path):
     assert r["rank"]["cpu_ratio"] == pytest.approx(r["rank"]["now"]["cpu_s"] / r["rank"]["before"]["cpu_s"])
     assert all(0 < r["rank"][way]["cpu_s"] < 300 and r["rank"][way]["peak_mib"] > 0 for way in ("now", "before"))
     assert "a training rank (10 steps, ResNet-18, 32 px): now" in proc.stdout
+
+
+def test_rank_threads_times_a_real_job_both_ways(tmp_path):
+    """bench/rank_threads.py: a real 2-rank `chexflow launch ... chexflow train` job whose ranks share its 2 threads,
+    and one whose ranks take 2 each (the bench checks each rank's recorded threads): one run of each, the smallest
+    model and data, both trained, their figures and ratio written."""
+    out = tmp_path / "threads.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/rank_threads.py"), "--runs", "1", "--warmup", "0",
+                           "--arch", "shufflenet_v2_x0_5", "--images", "128", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["runs"], r["ranks"], r["steps"], r["arch"]) == (1, 2, 4, "shufflenet_v2_x0_5") and r["host"]["cores"]
+    assert r["job"]["cpu_ratio"] == pytest.approx(r["job"]["shared"]["cpu_s"] / r["job"]["each"]["cpu_s"])
+    assert all(0 < r["job"][way]["cpu_s"] < 300 and r["job"][way]["wall_s"] > 0 for way in ("shared", "each"))
+    assert "a 2-rank training job (" in proc.stdout and "4 steps of 32 per rank, shufflenet_v2_x0_5, 32 px): shared" \
+        in proc.stdout

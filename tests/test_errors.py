@@ -151,6 +151,9 @@ LAST_TRACEBACKS = [
     (["launch", "-n", "0", "--backend", "single", "true"], {}, "chexflow launch: -n: 0 ranks; launch needs at least 1"),
     (["launch", "-n", "1", "true"], {"CHEXFLOW_BACKEND": "mpi"},
      "chexflow launch: CHEXFLOW_BACKEND: 'mpi' is none of horovod | ddp | single"),
+    (["launch", "-n", "1", "--backend", "single", "true"], {"OMP_NUM_THREADS": "4,2"},
+     "chexflow launch: OMP_NUM_THREADS: '4,2' is not a number of threads (a positive integer): chexflow launch "
+     "shares the job's threads among its ranks"),
     (["evaluate", "--model", "m.pt", "--manifest", "manifest.json", "--out-dir", "ev", "--train-config-json",
       FINETUNE_FROM_PRETRAINING], {},
      "chexflow evaluate: finetune.init is pretrained: the pretraining model is needed to compute the expected run id "
@@ -162,7 +165,7 @@ LAST_TRACEBACKS = [
 
 
 @pytest.mark.parametrize("argv, env, line", LAST_TRACEBACKS, ids=["launch -n 0", "unknown CHEXFLOW_BACKEND",
-                                                                 "evaluate without --pretrained", "invalid --trials-json"])
+                                                                 "OMP_NUM_THREADS a list", "evaluate without --pretrained", "invalid --trials-json"])
 def test_what_ended_in_a_traceback_is_a_one_line_refusal(argv, env, line, monkeypatch, capsys):
     """In-process, the real commands: each ends with its line and exit status 2 before anything runs."""
     monkeypatch.delenv(errors.DEBUG_ENV, raising=False)

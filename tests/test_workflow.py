@@ -248,6 +248,8 @@ def test_end_to_end_tiny(tiny_run):
     for stage in ("pretrain", "finetune", "ablation/finetune"):
         hist = [json.loads(x) for x in (work / f"results/{stage}/metrics.jsonl").read_text().splitlines()]
         assert hist[-1]["train_loss"] < hist[0]["train_loss"], stage
+        # the job's 2 threads (RANKS: Snakemake's OMP_NUM_THREADS) shared by its 2 ranks: one each, not 2
+        assert [(h["world_size"], h["host"]["torch_threads"]) for h in hist] == [(2, 1)] * len(hist), stage
     assert "Pretraining" in html or "pretraining" in html
     # the default ablation: the summary states the gain of pretraining with its paired CI and a verdict
     assert 'id="pretraining-gain"' in html and "(paired, patients resampled)" in html

@@ -7,6 +7,11 @@ which starts the ranks on this machine with the launcher of the configured backe
 the launcher stops the others and exits non-zero, so Snakemake sees a failure and a retry resumes.
 ``chexflow launch`` then exits with the first failed rank's own status and repeats its refusal
 line last (chexflow.errors): the launchers exit 1 whatever their ranks exited with.
+
+The local ranks share the job's cores: each gets an even share of its threads (:func:`rank_threads`).
+Snakemake sets ``OMP_NUM_THREADS`` (and the BLAS libraries' equivalents) to the job's ``threads``, which
+every rank would otherwise take for itself: 2 ranks of 2 threads on 2 cores took twice the CPU of
+2 ranks of 1 for the same steps (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -22,6 +27,28 @@ from chexflow import errors
 from chexflow.settings import ConfigError
 
 BACKENDS = ("horovod", "ddp", "single")
+# the variables Snakemake sets to a job's threads (snakemake.shell), each shared by the local ranks
+THREAD_VARS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def job_threads(env: dict[str, str]) -> tuple[int, str]:
+    """The threads of the job (``OMP_NUM_THREADS``, which Snakemake sets to the rule's ``threads``; else the
+    cores this process may run on) and where that number came from."""
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return len(os.sched_getaffinity(0)), "the cores this process may run on"
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS: {raw!r} is not a number of threads (a positive integer): "
+                          "chexflow launch shares the job's threads among its ranks")
+    return int(raw), "OMP_NUM_THREADS"
+
+
+def rank_threads(env: dict[str, str], n: int) -> dict[str, str]:
+    """The thread variables of each of ``n`` local ranks sharing one job: the job's threads divided
+    evenly, at least 1 each; ``OMP_NUM_THREADS`` and every other variable of :data:`THREAD_VARS` the job set."""
+    share = str(max(1, job_threads(env)[0] // n))
+    return {var: share for var in THREAD_VARS if var == "OMP_NUM_THREADS" or var in env}
 
 
 def local_command(backend: str, n: int, cmd: list[str]) -> list[str]:
@@ -86,10 +113,14 @@ def launch(backend: str, n: int, cmd: list[str]) -> int:
     descendant is killed, so no rank outlives the job and a failure is seen at once.
     """
     argv = local_command(backend, n, cmd)
+    env = dict(os.environ)
+    threads = rank_threads(env, n)
     print("launch:", " ".join(argv), file=sys.stderr, flush=True)
+    print("launch: {} rank(s) of {} thread(s): the job's {} ({}) shared".format(
+        n, threads["OMP_NUM_THREADS"], *job_threads(env)), file=sys.stderr, flush=True)
     _become_subreaper()
     with tempfile.TemporaryDirectory(prefix="chexflow-ranks-") as statuses:
-        proc = subprocess.Popen(argv, env={**os.environ, errors.RANK_STATUS_ENV: statuses})
+        proc = subprocess.Popen(argv, env={**env, **threads, errors.RANK_STATUS_ENV: statuses})
         return _ranks_status(_wait(proc), statuses)
 
 
