@@ -10,8 +10,8 @@ line last (chexflow.errors): the launchers exit 1 whatever their ranks exited wi
 
 The local ranks share the job's cores: each gets an even share of its threads (:func:`rank_threads`).
 Snakemake sets ``OMP_NUM_THREADS`` (and the BLAS libraries' equivalents) to the job's ``threads``, which
-every rank would otherwise take for itself: 2 ranks of 2 threads on 2 cores took twice the CPU of
-2 ranks of 1 for the same steps (BENCHMARKS.md).
+every rank would otherwise take for itself: 2 ranks of 2 threads on 2 cores took 1.2 (ResNet-18) to
+1.9 (ShuffleNet v2 x0.5) times the CPU of 2 ranks of 1 for the same steps (BENCHMARKS.md).
 """
 from __future__ import annotations
 
