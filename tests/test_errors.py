@@ -165,7 +165,8 @@ LAST_TRACEBACKS = [
 
 
 @pytest.mark.parametrize("argv, env, line", LAST_TRACEBACKS, ids=["launch -n 0", "unknown CHEXFLOW_BACKEND",
-                                                                 "OMP_NUM_THREADS a list", "evaluate without --pretrained", "invalid --trials-json"])
+                                                                 "OMP_NUM_THREADS a list", "evaluate without --pretrained",
+                                                                 "invalid --trials-json"])
 def test_what_ended_in_a_traceback_is_a_one_line_refusal(argv, env, line, monkeypatch, capsys):
     """In-process, the real commands: each ends with its line and exit status 2 before anything runs."""
     monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
