@@ -18,7 +18,7 @@ from chexflow.evaluate.comparison_record import FORMAT, ComparisonRecordError, r
 from chexflow.studies import ablation_compare
 from chexflow.studies.ablation_compare import ComparisonInputError
 from conftest import cli_env
-from test_report import _make_inputs
+from test_report import _make_inputs, noisy
 
 BOOT = {"n_resamples": 200, "seed": 3}
 
@@ -37,7 +37,7 @@ def _arms(tmp_path: Path, seeds=(0,), arms=(("pretrained", 0.2), ("random", 1.5)
             d.mkdir()
             df = main.copy()
             for lab in labels:
-                df[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=noise, size=len(main))
+                df[f"{lab}_score"] = noisy(main[f"{lab}_score"], rng, noise)
             df.sample(frac=1.0, random_state=seed).to_csv(d / "predictions.csv", index=False)   # order must not matter
             m = json.loads(inputs["metrics_json"].read_text())
             m.update(model_init=init, model_seed=seed, model_epoch=seed + 1)
@@ -120,11 +120,12 @@ def test_runs_that_cannot_be_compared_are_refused_by_name_and_nothing_is_written
     df = pd.read_csv(pred, dtype={"image": str, "patient": str})
     df.iloc[:-2].to_csv(pred, index=False)
     refused(runs, f"{pred}: the ablation's predictions.csv holds other test images")
+    from chexflow.evaluate.record import PredictionsRecordError
     dup = pd.concat([df.iloc[:-1], df.iloc[:1]])              # as many rows, one image twice, one missing
     dup.to_csv(pred, index=False)
-    refused(runs, "other test images")
+    refused(runs, f"{pred}: 2 rows name an image another row names too \\(first: {df.at[0, 'image']!r}\\)",
+            error=PredictionsRecordError)
     df.drop(columns=["Mass_score"]).to_csv(pred, index=False)
-    from chexflow.evaluate.record import PredictionsRecordError
     refused(runs, r"missing column\(s\) \['Mass_score'\]", error=PredictionsRecordError)
     df.to_csv(pred, index=False)
     m = Path(runs["random_seed0"]["metrics"])
@@ -202,6 +203,25 @@ def test_the_report_refuses_a_tampered_record_with_status_7(tmp_path):
     assert proc.returncode == 7, proc.stderr
     assert f"{path}: per_seed[0].verdict: expected one of ['helps', 'hurts', 'inconclusive'], got 'certainly'" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "r.html").exists()
+
+
+def test_a_run_whose_scores_are_logits_is_refused_with_status_7_and_nothing_is_written(tmp_path):
+    """Through a real `chexflow compare-ablation` process: one arm's predictions.csv holding a logit where the
+    evaluation writes a probability (its AUROC alone would not notice) is one line naming the file, the column
+    and the first image; no comparison is written."""
+    runs, _, labels, _ = _arms(tmp_path)
+    path = Path(runs["random_seed0"]["predictions"])
+    df = pd.read_csv(path, dtype={"image": str, "patient": str})
+    df.loc[3, f"{labels[1]}_score"] = 1.7
+    df.to_csv(path, index=False)
+    out = tmp_path / "comparison.json"
+    proc = _cli("compare-ablation", "--config-json", json.dumps({"bootstrap_resamples": BOOT["n_resamples"],
+                                                                 "seed": BOOT["seed"]}),
+                "--runs-json", json.dumps(runs), "--main", "pretrained_seed0", "--out", str(out))
+    assert proc.returncode == 7, proc.stderr
+    line = f"{path}: column '{labels[1]}_score': 1 row(s) outside what the evaluation writes (a score is a " \
+           f"probability in [0, 1]); the first: image {df.at[3, 'image']!r}, 1.7"
+    assert line in proc.stderr and "Traceback" not in proc.stderr and not out.exists(), proc.stderr
 
 
 @pytest.mark.parametrize("role", ["metrics", "predictions", "training"])

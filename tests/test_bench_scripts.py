@@ -139,3 +139,38 @@ def test_rank_threads_times_a_real_job_both_ways(tmp_path):
     assert all(0 < r["job"][way]["cpu_s"] < 300 and r["job"][way]["wall_s"] > 0 for way in ("shared", "each"))
     assert "a 2-rank training job (" in proc.stdout and "4 steps of 32 per rank, shufflenet_v2_x0_5, 32 px): shared" \
         in proc.stdout
+
+
+_COUNT_HOGS = """
+import os, sys
+tag = sys.argv[1]
+hogs = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")[:-1]
+    except OSError:
+        continue
+    if args[-2:] == [b"while True: pass", tag.encode()]:
+        hogs.append(int(pid))
+open(sys.argv[2], "w").write(" ".join(map(str, hogs)))
+sys.exit(3)
+"""
+
+
+def test_slow_host_runs_the_command_beside_its_hogs_and_stops_them(tmp_path):
+    """The command runs while exactly --hogs busy loops do, its exit status is the script's, and no hog
+    outlives it."""
+    spec = importlib.util.spec_from_file_location("slow_host", ROOT / "bench" / "slow_host.py")
+    slow_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slow_host)
+    seen = tmp_path / "hogs"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "slow_host.py"), "--hogs", "2", "--",
+                           sys.executable, "-c", _COUNT_HOGS, slow_host.HOG_TAG, str(seen)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    hogs = [int(p) for p in seen.read_text().split()]
+    assert len(hogs) == 2 and "slow_host: 2 busy loop(s) beside" in proc.stderr
+    assert not [p for p in hogs if Path(f"/proc/{p}").exists()], "a hog outlived the command"
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "slow_host.py"), "--hogs", "1"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "no command: give it after --" in bad.stderr

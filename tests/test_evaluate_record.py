@@ -136,3 +136,52 @@ def test_predictions_written_and_read_are_the_scores_and_their_auroc_bit_for_bit
     six = pd.read_csv(tmp_path / "six.csv")
     assert six["Nodule_score"].nunique() < len(np.unique(scores))
     assert roc_auc_score(six["Nodule"], six["Nodule_score"]) != roc_auc_score(y, scores)
+
+
+def _table(tmp_path: Path, edit=None) -> Path:
+    """A predictions.csv as the evaluation writes it (3 images, one finding), then ``edit``-ed as raw text."""
+    import pandas as pd
+    table = pd.DataFrame({"image": ["a.png", "b.png", "c.png"], "patient": ["1", "2", "2"],
+                          "Nodule": [0.0, 1.0, np.nan], "Nodule_score": np.float32([0.0, 1.0, 0.25])})
+    record.write_predictions(tmp_path / "predictions.csv", table)
+    if edit:
+        path = tmp_path / "predictions.csv"
+        path.write_text(edit(path.read_text()))
+    return tmp_path / "predictions.csv"
+
+
+def test_predictions_reader_takes_the_edges_of_what_the_evaluation_writes(tmp_path: Path):
+    """Scores of exactly 0 and 1 (a saturated sigmoid), an unknown label (empty): all read back as written."""
+    df = record.read_predictions(_table(tmp_path), ["Nodule"])
+    assert df["Nodule_score"].tolist() == [0.0, 1.0, 0.25] and df["Nodule"].isna().tolist() == [False, False, True]
+
+
+@pytest.mark.parametrize(("edit", "column", "image", "value"), [
+    # a label the evaluation never writes: CheXpert's "uncertain", a second class, a soft label
+    (lambda t: t.replace("b.png,2,1,", "b.png,2,-1,"), "Nodule", "b.png", "-1"),
+    (lambda t: t.replace("b.png,2,1,", "b.png,2,2,"), "Nodule", "b.png", "2"),
+    (lambda t: t.replace("a.png,1,0,", "a.png,1,0.5,"), "Nodule", "a.png", "0.5"),
+    # a score that is no probability: a logit, a negative, a missing one, an infinity
+    (lambda t: t.replace(",0.25\n", ",1.7\n"), "Nodule_score", "c.png", "1.7"),
+    (lambda t: t.replace("a.png,1,0,0\n", "a.png,1,0,-0.01\n"), "Nodule_score", "a.png", "-0.01"),
+    (lambda t: t.replace(",0.25\n", ",\n"), "Nodule_score", "c.png", "nan"),
+    (lambda t: t.replace(",0.25\n", ",inf\n"), "Nodule_score", "c.png", "inf"),
+], ids=["uncertain-label", "label-2", "soft-label", "score-1.7", "score-negative", "score-missing", "score-inf"])
+def test_predictions_reader_refuses_values_the_evaluation_never_writes(tmp_path: Path, edit, column, image, value):
+    """An AUROC is a ranking and would take any of these without a word (a logit as a score, a label of 2 as
+    a positive); the calibration and Brier score would be wrong. Refused in one line: the file, the column,
+    how many rows and the first one."""
+    path = _table(tmp_path, edit)
+    with pytest.raises(record.PredictionsRecordError) as err:
+        record.read_predictions(path, ["Nodule"])
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and f"column {column!r}: 1 row(s)" in message, message
+    assert message.endswith(f"the first: image {image!r}, {value}"), message
+
+
+def test_predictions_reader_refuses_an_image_listed_twice(tmp_path: Path):
+    """A row pasted twice would count its image twice in every AUROC and every bootstrap resample."""
+    path = _table(tmp_path, lambda t: t + t.splitlines()[1] + "\n")
+    with pytest.raises(record.PredictionsRecordError, match=r"2 rows name an image another row names too "
+                       r"\(first: 'a.png'\); each image is one row"):
+        record.read_predictions(path, ["Nodule"])

@@ -38,6 +38,14 @@ def _manifest(name: str, labels: list[str], *, synthetic: bool, task: str, title
             "image_size": 224, "splits": splits, "n_rejects": 1}
 
 
+def noisy(scores, rng: np.random.Generator, noise: float) -> np.ndarray:
+    """Another run's scores: Gaussian noise of ``noise`` on the logits of ``scores``, back through the
+    sigmoid (a predictions.csv holds probabilities; the reader refuses anything outside [0, 1])."""
+    p = np.clip(np.asarray(scores, dtype=float), 1e-6, 1 - 1e-6)
+    logits = np.log(p / (1 - p)) + rng.normal(scale=noise, size=p.shape)
+    return 1 / (1 + np.exp(-logits))
+
+
 def _make_inputs(tmp_path: Path) -> dict:
     """Small but well-formed inputs in the contract formats, written under ``tmp_path/in``."""
     rng = np.random.default_rng(0)
@@ -52,7 +60,7 @@ def _make_inputs(tmp_path: Path) -> dict:
             y[:] = 0.0  # single class -> AUROC n/a
         y[rng.random(n) < 0.1] = np.nan
         y[:2] = [0.0, 0.0] if lab == "Hernia" else [0.0, 1.0]
-        score = np.nan_to_num(y) * 0.8 + rng.random(n)
+        score = (np.nan_to_num(y) * 0.8 + rng.random(n)) / 1.8      # a probability, as the model's sigmoid
         pred[lab] = y
         pred[f"{lab}_score"] = score
         known = ~np.isnan(y)

@@ -10,7 +10,7 @@ import torch
 from chexflow.report import render
 from chexflow.studies import ablation_compare, scaling, sweep
 from chexflow.train import checkpoint as ckpt
-from test_report import _make_inputs, _render, _table
+from test_report import _make_inputs, _render, _table, noisy
 
 
 def _with_studies(inputs: dict, studies: dict) -> dict:
@@ -161,7 +161,7 @@ def test_ablation_gain_with_paired_ci_in_summary(tmp_path):
     rng = np.random.default_rng(7)
     other = main.copy()
     for lab in labels:          # the random-init run: the same images, noisier scores
-        other[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=0.6, size=len(main))
+        other[f"{lab}_score"] = noisy(main[f"{lab}_score"], rng, 0.6)
     other = other.iloc[::-1]    # row order must not matter (matched by image)
     abl_dir = tmp_path / "abl"
     abl_dir.mkdir()
@@ -282,7 +282,7 @@ def _noisy_arm(tmp_path, inputs, main, labels, rng, init: str, seed: int, noise:
     d.mkdir()
     df = main.copy()
     for lab in labels:
-        df[f"{lab}_score"] = main[f"{lab}_score"] + rng.normal(scale=noise, size=len(main))
+        df[f"{lab}_score"] = noisy(main[f"{lab}_score"], rng, noise)
     df.to_csv(d / "predictions.csv", index=False)
     m = json.loads(inputs["metrics_json"].read_text())
     m.update(model_init=init, model_seed=seed, model_epoch=2)

@@ -176,8 +176,10 @@ class PredictionsRecordError(ValueError):
 
 def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
     """``predictions.csv`` as ``evaluate.run`` writes it: image, patient, then per label ``L`` (0/1/empty)
-    and ``L_score``; anything else fails naming the file and the column. The scores come back as the
-    float32 values the evaluation computed (:data:`FLOAT_FORMAT`), bit for bit."""
+    and ``L_score`` (a probability in [0, 1]), one row per image; anything else fails naming the file, the
+    column and the first row that breaks it (an AUROC is a ranking and takes any score, a calibration curve
+    and a Brier score do not). The scores come back as the float32 values the evaluation computed
+    (:data:`FLOAT_FORMAT`), bit for bit."""
     path = Path(path)
     try:
         with open_regular(path, what="predictions.csv") as fh:
@@ -194,5 +196,21 @@ def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
         for col in (lab, f"{lab}_score"):
             if not pd.api.types.is_numeric_dtype(df[col]):
                 raise PredictionsRecordError(f"{path}: column {col!r} is not numeric")
-        df[f"{lab}_score"] = df[f"{lab}_score"].astype(np.float32)
+        _refuse_rows(path, df, lab, ~(df[lab].isin((0, 1)) | df[lab].isna()), "a label is 0, 1 or empty")
+        score = df[f"{lab}_score"]
+        _refuse_rows(path, df, f"{lab}_score", ~score.between(0, 1), "a score is a probability in [0, 1]")
+        df[f"{lab}_score"] = score.astype(np.float32)
+    twice = df["image"].duplicated(keep=False)
+    if twice.any():
+        raise PredictionsRecordError(f"{path}: {int(twice.sum())} rows name an image another row names too "
+                                     f"(first: {df.loc[twice, 'image'].iloc[0]!r}); each image is one row")
     return df
+
+
+def _refuse_rows(path: Path, df: pd.DataFrame, col: str, bad: pd.Series, rule: str) -> None:
+    """Fail naming the file, the column, how many rows break ``rule`` and the first of them."""
+    if bad.any():
+        first = df.index[bad][0]
+        raise PredictionsRecordError(f"{path}: column {col!r}: {int(bad.sum())} row(s) outside what the evaluation "
+                                     f"writes ({rule}); the first: image {df.at[first, 'image']!r}, "
+                                     f"{float(df.at[first, col]):.9g}")
