@@ -22,14 +22,36 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 HOG_TAG = "chexflow-slow-host-hog"      # in each hog's arguments: `pgrep -f` finds them
 
 
-def start_hogs(n: int) -> list[subprocess.Popen]:
-    """``n`` busy loops, each its own process group, with the tag in their arguments."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass", HOG_TAG], stdin=subprocess.DEVNULL,
+def start_hogs(n: int, timeout: float = 30.0) -> list[subprocess.Popen]:
+    """``n`` busy loops, each its own process group, with the tag in their arguments; returns once each runs.
+
+    ``Popen`` returns when the child's exec began, before the kernel has set up its arguments: a command
+    started at once could look in ``/proc`` and miss a hog (seen in CI, on a loaded machine). So each hog's
+    ``/proc/<pid>/cmdline`` is waited for (where there is a ``/proc``)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass", HOG_TAG], stdin=subprocess.DEVNULL,
                              start_new_session=True) for _ in range(n)]
+    deadline = time.monotonic() + timeout
+    for hog in hogs:
+        while os.path.isdir("/proc") and not _shows_tag(hog.pid):
+            if hog.poll() is not None or time.monotonic() > deadline:
+                status = hog.poll()
+                stop_hogs(hogs)
+                raise RuntimeError(f"slow_host: busy loop {hog.pid} did not start in {timeout:g} s (exit status {status})")
+            time.sleep(0.01)
+    return hogs
+
+
+def _shows_tag(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().split(b"\0")[-2:-1] == [HOG_TAG.encode()]
+    except OSError:
+        return False
 
 
 def stop_hogs(hogs: list[subprocess.Popen]) -> None:
