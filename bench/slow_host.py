@@ -41,7 +41,8 @@ def start_hogs(n: int, timeout: float = 30.0) -> list[subprocess.Popen]:
             if hog.poll() is not None or time.monotonic() > deadline:
                 status = hog.poll()
                 stop_hogs(hogs)
-                raise RuntimeError(f"slow_host: busy loop {hog.pid} did not start in {timeout:g} s (exit status {status})")
+                raise RuntimeError(f"slow_host: busy loop {hog.pid} did not start in {timeout:g} s "
+                                   f"(exit status {status})")
             time.sleep(0.01)
     return hogs
 

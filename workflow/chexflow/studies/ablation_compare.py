@@ -61,8 +61,8 @@ def _aligned(ref: pd.DataFrame, run: dict[str, Any]) -> pd.DataFrame:
     """``run``'s predictions in the row order of ``ref`` (the same test images, or an error)."""
     other = run["predictions"]
     key = ["image", "patient"]
-    if (len(other) != len(ref) or other["image"].duplicated().any()
-            or set(map(tuple, other[key].to_numpy())) != set(map(tuple, ref[key].to_numpy()))):
+    # (an image listed twice is refused by read_predictions, so equal lengths and sets mean the same rows)
+    if len(other) != len(ref) or set(map(tuple, other[key].to_numpy())) != set(map(tuple, ref[key].to_numpy())):
         raise ComparisonInputError(f"{run['files']['predictions']}: the ablation's predictions.csv holds other test "
                                    "images than the main run's: the paired comparison needs the same test split")
     return other.set_index("image").loc[ref["image"]].reset_index()
