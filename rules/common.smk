@@ -14,8 +14,13 @@ from chexflow.studies import sweep as _sweep
 from chexflow.train import config as _train
 from chexflow.train import lease as _lease  # standard library only
 
-# `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv).
-shell.prefix(f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.executable)}"; ')
+# `chexflow` (the package's CLI) sits next to the Python that runs Snakemake (the venv). Every job's
+# chexflow ends itself when it stalls, within the bound of config.yaml's watchdog section (braces doubled:
+# Snakemake formats the prefix).
+_WATCHDOG = shlex.quote(json.dumps(dataclasses.asdict(STUDY.watchdog))).replace("{", "{{").replace("}", "}}")
+shell.prefix(
+    f'set -euo pipefail; export PATH="$PATH:{os.path.dirname(sys.executable)}"; export CHEXFLOW_WATCHDOG={_WATCHDOG}; '
+)
 
 PRETRAIN_DATASET = STUDY.pretrain_dataset  # STUDY: config.yaml checked by chexflow.config (Snakefile)
 FINETUNE_DATASET = STUDY.finetune_dataset

@@ -262,3 +262,13 @@ def fashion_manifest(tmp_path_factory) -> Path:
     (out / "parts" / "t10k" / "manifest.json").write_text(json.dumps(m))
     shards.gather("fashion_mnist", [out / "parts" / "t10k" / "manifest.json"], out / "manifest.json", cfg)
     return out / "manifest.json"
+
+
+def loader_workers(pid: int) -> list[int]:
+    """The loader workers of process ``pid``: its descendants started by its fork server (the workers'
+    parent), not the fork server itself (chexflow.data.workers)."""
+    import psutil
+    try:
+        return sorted(p.pid for p in psutil.Process(pid).children(recursive=True) if p.ppid() != pid)
+    except psutil.Error:
+        return []

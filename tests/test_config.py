@@ -136,6 +136,8 @@ def _set(cfg: dict, dotted: str, value) -> None:
 
 # (changes to the default config.yaml, the one problem expected: a regex naming key, value and range)
 BAD = [
+    # the stall watchdog
+    ({"watchdog.factor": 0.5}, r"watchdog\.factor: 0\.5 is not >= 1"),
     # study
     ({"study.pretrain_dataset": "nih_demo"},
      r"study\.pretrain_dataset: 'nih_demo' is not one of \['fashion_mnist', 'nih_demo_pretrain', 'imagenet'\]"),

@@ -28,7 +28,7 @@ import pytest
 from chexflow.fsutil import link_numbered
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import lease
-from conftest import REPO, checkpoint_step, cli_env, horovod_available, snakemake
+from conftest import REPO, checkpoint_step, cli_env, horovod_available, loader_workers, snakemake
 
 EXIT_PREEMPTED = 143
 
@@ -90,7 +90,7 @@ def test_sigterm_to_every_process_with_loader_workers_checkpoints_and_resumes(de
     # mid-epoch 2, with the epoch's workers running (80 steps per epoch, checks every 20)
     wait_for(lambda: "epoch 2/4" in log.read_text(), proc, log, "epoch 2")
     time.sleep(2)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = loader_workers(proc.pid)
     # the loaders' workers live for the run: 2 serving training, 2 validation (idle mid-epoch)
     assert len(workers) == 4, f"expected 2 training and 2 validation loader workers, found {workers}"
     os.killpg(proc.pid, signal.SIGTERM)

@@ -13,7 +13,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from chexflow import errors
+from chexflow import errors, watchdog
+from chexflow.data.workers import worker_death
 from chexflow.data.config import DemoReleaseConfig, ShardConfig, TableSpec
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.predict.config import ExportConfig, PredictConfig
@@ -484,16 +485,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# the long-running commands: each marks its progress, and a stall ends it (chexflow.watchdog)
+WATCHED = ("shards", "train", "evaluate", "evaluate-external", "predict", "scale-point")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run one command; a refusal (chexflow.errors) ends it with one line on stderr and its exit code."""
     args = build_parser().parse_args(argv)
     try:
+        if args.stage in WATCHED:
+            watchdog.arm(args.stage)
         args.func(args)
     except SystemExit as exc:   # a command's own status (the trainer's 3, 4, 5, 143): kept for chexflow launch
         errors.record_exit(exc.code)
         raise
     except Exception as exc:  # noqa: BLE001 - sorted below: a refusal gets its line, anything else its traceback
-        _refuse(args.stage, exc, debug=errors.debug_requested(args.debug))
+        _refuse(args.stage, worker_death(exc), debug=errors.debug_requested(args.debug))
+    finally:
+        watchdog.disarm()
 
 
 def _refuse(command: str, exc: Exception, *, debug: bool) -> NoReturn:

@@ -29,6 +29,7 @@ from chexflow.settings import ConfigError, build, dataclass_schema, normalize_nu
 from chexflow.studies.config import AblationConfig, ScalingConfig, SweepConfig
 from chexflow.train import config as train_config
 from chexflow.train.config import STAGES, TrainConfig
+from chexflow.watchdog import WatchdogConfig
 
 # how Apptainer names an image it pulls (a local .sif file is the other form)
 IMAGE_SCHEMES = ("docker", "oras", "library", "shub", "https", "http")
@@ -43,7 +44,8 @@ class ContainerConfig:
 
 
 STUDY_SECTIONS = {"container": ContainerConfig, "evaluate": EvaluateConfig, "scaling": ScalingConfig,
-                  "sweep": SweepConfig, "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
+                  "sweep": SweepConfig, "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig,
+                  "watchdog": WatchdogConfig}
 REQUIRED = ("study", "shards", "pretrain", "finetune")
 # ShardConfig fields the workflow sets: the dataset (the section's name), a pilot subset of the
 # archives (datasets.<name>.archives), a folder dataset's image folder and a CSV dataset's declaration
@@ -76,6 +78,7 @@ class Study:
     ablation: AblationConfig
     predict: PredictConfig
     export: ExportConfig
+    watchdog: WatchdogConfig
 
     def dataset(self, stage: str) -> str:
         return self.pretrain_dataset if stage == "pretrain" else self.finetune_dataset

@@ -147,18 +147,38 @@ class Watchdog:
             os._exit(EXIT_STALLED)
 
 
+# where a main thread waits for other ranks, most telling first: chexflow's backend call, Horovod's or
+# torch.distributed's, then DDP's gradient all-reduce inside the backward pass
+COLLECTIVE_CODE = ("/chexflow/train/backends/", "/horovod/torch/", "/torch/distributed/", "/torch/autograd/")
+
+
 def waiting_for(thread: threading.Thread) -> str:
-    """What ``thread`` waits for, from its stack: a DataLoader's worker (its pid), a collective."""
-    frame = sys._current_frames().get(thread.ident)
-    worker, collective = None, None
+    """What ``thread`` waits for, from its stack: a DataLoader's worker (its pid), a collective, or
+    else its innermost frame of chexflow."""
+    frame, stack = sys._current_frames().get(thread.ident), []
     while frame is not None:
-        code, local = frame.f_code, frame.f_locals
-        if code.co_name in ("_next_data", "_get_data") and hasattr(local.get("self"), "_task_info"):
-            worker = worker or _awaited_worker(local["self"])
-        elif "chexflow/train/backends/" in code.co_filename.replace(os.sep, "/") and collective is None:
-            collective = f"collective {code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+        stack.append((frame, frame.f_code.co_filename.replace(os.sep, "/")))
         frame = frame.f_back
-    return worker or collective or ""
+    for frame, _ in stack:
+        if frame.f_code.co_name in ("_next_data", "_get_data"):
+            worker = _awaited_worker(frame.f_locals.get("self"))
+            if worker:
+                return worker
+    for part in COLLECTIVE_CODE:
+        if part == "/torch/autograd/" and not _distributed():
+            continue
+        for frame, path in stack:
+            if part in path:
+                return f"collective {frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
+    for frame, path in stack:
+        if "/chexflow/" in path:
+            return f"in {frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
+    return ""
+
+
+def _distributed() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def _awaited_worker(it) -> str | None:

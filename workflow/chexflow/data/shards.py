@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from chexflow import watchdog
 from chexflow.data.config import ShardConfig
 from chexflow.settings import to_dict
 from chexflow.data import images, nih, registry
@@ -209,6 +210,7 @@ def write_tar(path: Path, samples: Iterable[dict]) -> None:
     its module imports torch, 2 CPU s of each shard job's 3.7."""
     with open(path, "wb") as fh, tarfile.open(fileobj=fh, mode="w|") as tar:
         for sample in samples:
+            watchdog.beat("sharding")
             key = sample["__key__"]
             for ext in sorted(k for k in sample if not k.startswith("_")):
                 data = sample[ext]

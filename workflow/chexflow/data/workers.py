@@ -111,7 +111,7 @@ class LoaderWorkerDied(RuntimeError):
     line (:func:`worker_death`)."""
 
 
-_TORCH_DEATH = re.compile(r"DataLoader worker \(pids?\)? ?([\d, ]+)\)? (?:is killed by signal: (.+?)\.?\s*$|exited "
+_TORCH_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: (.+?)\.?\s*$|exited "
                           r"unexpectedly)")
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from chexflow import watchdog
 from chexflow import host
 from chexflow.data import nih
 from chexflow.data.augment import gpu_augment
@@ -44,6 +45,7 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
     model.eval()
     with torch.no_grad(), ieee_fp32():
         for x, y, ids in batches:
+            watchdog.beat("evaluation")
             z = gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
             scores.append(torch.sigmoid(model(z).float()).cpu().numpy())
             targets.append(y.numpy().astype(np.float64))
@@ -186,6 +188,7 @@ def inputs_of(shards, wanted: set[str], *, crop: int, batch_size: int, device) -
     stream = ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
     out: dict[str, torch.Tensor] = {}
     for x, _, ids in make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False):
+        watchdog.beat("evaluation")
         keep = [k for k, i in enumerate(ids) if i.image in wanted]
         if keep:
             z = gpu_augment(x[keep].to(device), out_size=crop, train=False, cfg=None, generator=None)

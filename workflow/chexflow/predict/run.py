@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from chexflow import watchdog
 from chexflow.data.images import DecodeError
 from chexflow.data.workers import loader_processes
 from chexflow.evaluate.record import write_predictions
@@ -78,6 +79,7 @@ def run(cfg: PredictConfig, *, model_path: Path, out_csv: Path, manifest: Path |
     bar = tqdm(total=len(files), unit="img", desc="predict", disable=not progress, file=sys.stderr)
     for batch in batches(files, reader, batch_size=cfg.batch_size, workers=cfg.workers):
         rows += predict_batch(predictor, batch, files, heat)
+        watchdog.beat("predict")
         bar.update(len(batch))
     bar.close()
     table = _table(rows, predictor, cfg.heatmaps)

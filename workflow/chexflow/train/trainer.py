@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from chexflow import host
+from chexflow import host, watchdog
 from chexflow.data.loader import close_loader
 from chexflow.data.stamps import StampStore
 from chexflow.fsutil import write_text_atomic
@@ -272,6 +272,7 @@ class Trainer:
 
     def _fit(self) -> int:
         cfg, backend = self.cfg, self.backend
+        watchdog.name_process(f"rank {backend.rank} of {backend.size} (pid {os.getpid()})")
         # every shard checked before the first step, each by one rank (or, staged, one per node)
         store = StampStore(self.paths.verified, self.paths.manifest, log=lambda m: _log(backend, m)) \
             if self.paths.verified is not None else None
@@ -354,6 +355,7 @@ class Trainer:
         EXIT_PREEMPTED / EXIT_DIVERGED when every rank stopped together."""
         stream.set_epoch(prog.epoch, skip_batches=prog.in_epoch * self.bpps)   # resume: batches not yet used
         batches = iter(self.train_loader)                 # the workers start this epoch's pass (set above)
+        watchdog.beat("training")
         self._train_mode(model)
         loss_sum, n_loss, nonfinite = self._epoch_sums(prog)
         bar, t0, start, code = self._progress_bar(prog), time.perf_counter(), prog.in_epoch, 0
@@ -365,6 +367,7 @@ class Trainer:
             n_loss += 1
             prog.step += 1
             prog.in_epoch += 1
+            watchdog.beat("training")
             bar.update(1)
             if not self.cadence.check_due(prog.step, prog.in_epoch):
                 continue
@@ -483,6 +486,7 @@ class Trainer:
                  **prog.state(partial=part),
                  "world_size": self.backend.size, "config": to_dict(self.cfg), "run_id": self.run_id}
         path = ckpt.save_checkpoint(self.paths.ckpt_dir, prog.step, state, keep=self.cfg.checkpoint.keep)
+        watchdog.beat("training")          # a checkpoint written: progress (and what follows it is training)
         _log(self.backend, f"checkpoint {path} (step {prog.step})")
 
     def _best_model(self, prog: Progress) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from chexflow import watchdog
 from chexflow.train import val_metrics as M
 from chexflow.train.backends import Backend, gather_arrays
 from chexflow.train.inputs import TrainData
@@ -23,6 +24,7 @@ def validate(model, data: TrainData, backend: Backend, device: torch.device, *, 
     image, whose outputs are dropped), so the model sees one input shape: a smaller batch made
     torch.compile build a third graph, with dynamic shapes, on every rank of every run."""
     model.eval()
+    watchdog.beat("validation")         # the phase a stall in this pass is named by
     scores, targets_all = [], []
     loss_sum, count = torch.zeros((), device=device), 0
     full = data.cfg.batch_size if one_shape else None     # the loader's batch (data.val_loader)
@@ -39,6 +41,7 @@ def validate(model, data: TrainData, backend: Backend, device: torch.device, *, 
             count += n
             scores.append(logits)               # stays on the device until the split is done
             targets_all.append(targets)
+            watchdog.beat("validation")
     n_classes = len(data.labels)
     local_scores = torch.cat(scores).cpu().numpy() if scores else np.zeros((0, n_classes), np.float32)
     local_targets = (torch.cat(targets_all).numpy() if targets_all
