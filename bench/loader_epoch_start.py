@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chexflow.data import loader as data  # noqa: E402
+from chexflow.data.manifest import split_shards  # noqa: E402
 from chexflow.train import models  # noqa: E402
 from train_throughput import write_shards  # noqa: E402
 
@@ -60,7 +61,7 @@ def main() -> None:
         n = args.steps * args.batch
         manifest = write_shards(Path(tmp), n_train=n, n_val=args.batch, size=args.size,
                                 per_shard=max(args.batch, n // max(2 * args.workers, 1)))
-        shards = data.split_shards(manifest, "train")
+        shards = split_shards(manifest, "train")
 
         def stream():
             return data.ShardStream(shards, rank=0, world=1, seed=0, batch_size=args.batch, shuffle=True,

@@ -112,7 +112,8 @@ def imagefolder_pass(folder: Path, batch: int, workers: int, epoch: int) -> tupl
 
 def shard_pass(manifest: Path, batch: int, workers: int, epoch: int, shuffle_buffer: int) -> tuple[int, float]:
     from chexflow.data import loader as L
-    shards = L.split_shards(manifest, "train")
+    from chexflow.data.manifest import split_shards
+    shards = split_shards(manifest, "train")
     stream = L.ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch, epoch=epoch, shuffle=True,
                            shuffle_buffer=shuffle_buffer)
     dl = L.make_loader(stream, batch_size=batch, workers=workers, pin_memory=False)

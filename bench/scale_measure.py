@@ -117,7 +117,7 @@ def shard_stage(root: Path, n_images: int) -> dict:
 
 def evaluation_rate(manifest: Path) -> float:
     import torch
-    from chexflow.data import loader
+    from chexflow.data import manifest as loader
     from chexflow.evaluate.run import predict
     from chexflow.train.models import build_model
     net = build_model("resnet50", in_channels=1, num_outputs=14)
@@ -143,7 +143,7 @@ def measure(n_images: int, n_1024: int) -> dict:
         out["checkpoint_resnet50"] = checkpoint_cost(tmp / "ckpt")
         out["parameters"] = parameters()
         manifest = demo_dataset(tmp / "demo", n_images)
-        from chexflow.data import loader
+        from chexflow.data import manifest as loader
         refs = loader.split_shards(manifest, "train") + loader.split_shards(manifest, "val")
         out["split_bytes"] = sum(Path(r.path).stat().st_size for r in refs)
         out["split_shards"] = len(refs)

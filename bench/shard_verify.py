@@ -31,7 +31,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from chexflow.data import download, loader, manifest, registry, shards, sources  # noqa: E402
+from chexflow.data import augment, download, loader, manifest, registry, shards, sources  # noqa: E402
 from chexflow.data.config import AugmentConfig, ShardConfig  # noqa: E402
 from chexflow.data.phantoms.release import make_release  # noqa: E402
 from chexflow.train.models import build_model  # noqa: E402
@@ -57,16 +57,16 @@ def demo_dataset(root: Path, n_images: int | None) -> Path:
 
 def epoch(path: Path, *, batch: int, crop: int, workers: int) -> int:
     """One demo fine-tuning epoch on CPU (streams built here: their shards are checked here)."""
-    stream = loader.ShardStream(loader.split_shards(path, "train"), rank=0, world=1, seed=0, batch_size=batch,
+    stream = loader.ShardStream(manifest.split_shards(path, "train"), rank=0, world=1, seed=0, batch_size=batch,
                                 shuffle=True, shuffle_buffer=1000)
-    loader.ShardStream(loader.split_shards(path, "val"), rank=0, world=1, seed=0, batch_size=batch, shuffle=False)
+    loader.ShardStream(manifest.split_shards(path, "val"), rank=0, world=1, seed=0, batch_size=batch, shuffle=False)
     torch.manual_seed(0)
     model = build_model("resnet18", in_channels=1, num_outputs=14)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     n = 0
     for x, y, _ in loader.make_loader(stream, batch_size=batch, workers=workers, pin_memory=False):
-        z = loader.gpu_augment(x, out_size=crop, train=True, cfg=AugmentConfig(), generator=gen)
+        z = augment.gpu_augment(x, out_size=crop, train=True, cfg=AugmentConfig(), generator=gen)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(z), torch.nan_to_num(y, 0.0))
         opt.zero_grad()
         loss.backward()
@@ -86,7 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         path = demo_dataset(Path(tmp), args.n_images)
-        refs = loader.split_shards(path, "train") + loader.split_shards(path, "val")
+        refs = manifest.split_shards(path, "train") + manifest.split_shards(path, "val")
         size = sum(Path(r.path).stat().st_size for r in refs)
         print(f"dataset: {sum(r.count for r in refs)} train+val images in {len(refs)} shards, {size / 2**20:.1f} MiB "
               f"({time.perf_counter() - t:.0f} s to build)", flush=True)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 from chexflow.settings import from_dict  # noqa: E402
 from chexflow.train.config import TrainConfig  # noqa: E402
 from chexflow.data import loader as data  # noqa: E402
+from chexflow.data.manifest import split_shards  # noqa: E402
 from chexflow.fsutil import sha256_file, write_text_atomic  # noqa: E402
 from chexflow.train import models  # noqa: E402
 from chexflow.train.trainer import TrainPaths, Trainer  # noqa: E402
@@ -120,7 +121,7 @@ def full_path(cfg: TrainConfig, manifest: Path, work: Path) -> float:
 
 
 def loader_alone(cfg: TrainConfig, manifest: Path, device: torch.device, batches: int) -> float:
-    stream = data.ShardStream(data.split_shards(manifest, "train"), rank=0, world=1, seed=0,
+    stream = data.ShardStream(split_shards(manifest, "train"), rank=0, world=1, seed=0,
                               batch_size=cfg.batch_size, shuffle=True, shuffle_buffer=cfg.data.shuffle_buffer)
     loader = data.make_loader(stream, batch_size=cfg.batch_size, workers=cfg.data.workers,
                               pin_memory=device.type == "cuda")

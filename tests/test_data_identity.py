@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from chexflow import host
-from chexflow.data.loader import ManifestError
+from chexflow.data.manifest import ManifestError
 from chexflow.evaluate import leakage
 from chexflow.evaluate import run as evaluate
 from chexflow.evaluate.config import EvaluateConfig

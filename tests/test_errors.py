@@ -137,10 +137,10 @@ def test_a_subclass_not_listed_takes_its_base_entry():
 def test_a_worker_re_raised_error_shows_its_own_message_not_the_workers_traceback():
     """torch's DataLoader re-raises a worker's exception as its class with the worker's traceback as
     the message: the line shows the original message."""
-    from chexflow.data.loader import ShardReadError
+    from chexflow.data.shard_reader import ShardReadError
     text = ("Caught ShardReadError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
             '  File "x.py", line 1, in f\n    raise ShardReadError(msg)\n'
-            "chexflow.data.loader.ShardReadError: data/shards/a.tar: truncated shard\n")
+            "chexflow.data.shard_reader.ShardReadError: data/shards/a.tar: truncated shard\n")
     assert errors.message(ShardReadError(text)) == "data/shards/a.tar: truncated shard\n"
 
 

@@ -14,7 +14,8 @@ from PIL import Image
 
 from chexflow.data.config import ShardConfig
 from chexflow.data import imagenet as I
-from chexflow.data import loader as L
+from chexflow.data import manifest as MF
+from chexflow.data import shard_reader as SR
 from chexflow.data import shards as S
 from conftest import REPO
 
@@ -152,9 +153,9 @@ def test_labels_counts_and_rejects(built):
 
     seen = {}
     for split in ("train", "val"):
-        for ref in L.split_shards(out / "manifest.json", split):
-            for sample in L.iter_shard(ref.path):
-                img, target, key = L._decode(sample)
+        for ref in MF.split_shards(out / "manifest.json", split):
+            for sample in SR.iter_shard(ref.path):
+                img, target, key = SR.decode(sample)
                 seen[key.image] = (split, int(target), img.numpy())
     assert len(seen) == 17
     for name, (split, label, img) in seen.items():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from chexflow.data import loader
+from chexflow.data import manifest as manifest_mod
 from chexflow.evaluate import run as evaluate
 from chexflow.evaluate import saliency
 from chexflow.predict.model import Predictor, Preprocess
@@ -39,7 +39,7 @@ def _watched_model(n_labels: int = 14):
 
 def test_evaluation_scores_without_tf32(tf32_on, demo_manifest):
     model, seen = _watched_model()
-    shards = loader.split_shards(demo_manifest, "test")
+    shards = manifest_mod.split_shards(demo_manifest, "test")
     scores, targets, _, images = evaluate.predict(model, shards, crop=32, batch_size=16, device="cpu")
     assert scores.shape == targets.shape and len(images) == scores.shape[0] > 16   # more than one batch
     assert len(seen) >= 2 and set(seen) == {(False, False)}

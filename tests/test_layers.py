@@ -28,6 +28,7 @@ def _modules() -> dict[str, Path]:
 
 MODULES = _modules()
 LAYERS["errors"] = 0        # the refusals' exit statuses (chexflow.errors): every layer's exceptions are named there
+LAYERS["watchdog"] = 0      # the stall watchdog (chexflow.watchdog): every long-running command marks its progress there
 
 
 def _resolve(name: str) -> str | None:

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from sklearn.metrics import roc_auc_score
 
-from chexflow.data import images, loader, nih
+from chexflow.data import augment, images, nih
 from chexflow.evaluate import localisation as L
 from chexflow.evaluate import saliency, subgroups
 from chexflow.train.models import build_model
@@ -60,7 +60,7 @@ def test_box_maps_through_the_real_preprocessing(width, height, stored, crop):
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="PNG")
     shard = images.decode_grey(buf.getvalue(), name="t.png", size=stored)
-    seen = loader.gpu_augment(torch.from_numpy(shard.copy())[None], out_size=crop, train=False, cfg=None, generator=None)[0, 0]
+    seen = augment.gpu_augment(torch.from_numpy(shard.copy())[None], out_size=crop, train=False, cfg=None, generator=None)[0, 0]
     bright = (seen > seen.min() + 0.5 * (seen.max() - seen.min())).numpy()
     rows, cols = np.flatnonzero(bright.any(axis=1)), np.flatnonzero(bright.any(axis=0))
     x0, y0, x1, y1 = L.to_eval_frame((x, y, w, h), L.Frame(width, height, stored, crop))

@@ -24,7 +24,8 @@ import yaml
 from PIL import Image
 
 import dicom_files as D
-from chexflow.data import dicom, images, loader
+from chexflow.data import augment, dicom, images
+from chexflow.data import manifest as manifest_mod
 from chexflow.evaluate import run as evaluate
 from chexflow.evaluate import saliency
 from chexflow.evaluate.config import EvaluateConfig
@@ -147,7 +148,7 @@ class Study:
         self.evaluation = pd.read_csv(root / "evaluate" / "predictions.csv")
         # evaluation's scores before its CSV rounded them
         net = load_predictor(self.model, self.manifest, self.metrics)[0].model
-        s, _, _, names = evaluate.predict(net, loader.split_shards(self.manifest, "test"), crop=CROP, batch_size=16,
+        s, _, _, names = evaluate.predict(net, manifest_mod.split_shards(self.manifest, "test"), crop=CROP, batch_size=16,
                                           device=torch.device("cpu"))
         self.scores = dict(zip(names, s))
         self.labels = list(load_model_file(self.model)["labels"])
@@ -447,7 +448,7 @@ def test_model_file_alone_predicts_as_the_flags_do(study, tmp_path):
                                        for k, v in metrics["labels"].items()}
     manifest = json.loads(study.manifest.read_text())
     assert (record["stored_size"], record["synthetic"], record["dataset_title"]) == (STORED, True, manifest["title"])
-    assert (record["mean"], record["std"], info["crop"]) == (loader.MEAN, loader.STD, CROP)
+    assert (record["mean"], record["std"], info["crop"]) == (augment.MEAN, augment.STD, CROP)
     # the weights evaluation packaged are the ones it evaluated: the fine-tuning's, tensor for tensor
     trained = load_model_file(study.model)
     assert all(torch.equal(trained["state_dict"][k], v) for k, v in info["state_dict"].items())
@@ -582,11 +583,11 @@ def test_exports_agree_with_torch_and_carry_what_a_server_needs(study, tmp_path)
         assert meta["run_id"] == study.run_id and meta["labels"] == study.labels
         assert meta["thresholds"] == {label: thresholds.get(label) for label in study.labels}
         pre = meta["preprocess"]
-        assert (pre["stored_size"], pre["crop"], pre["mean"], pre["std"]) == (STORED, CROP, loader.MEAN, loader.STD)
+        assert (pre["stored_size"], pre["crop"], pre["mean"], pre["std"]) == (STORED, CROP, augment.MEAN, augment.STD)
     # any batch size, on test images the check did not use: the probabilities evaluation computed
     names = sorted(study.scores)[-5:]
     x = torch.stack([torch.from_numpy(images.resize_square(study.png(n), STORED)) for n in names])
-    x = loader.gpu_augment(x, out_size=CROP, train=False, cfg=None, generator=None)
+    x = augment.gpu_augment(x, out_size=CROP, train=False, cfg=None, generator=None)
     want = np.stack([study.scores[n] for n in names])
     with torch.no_grad():
         np.testing.assert_allclose(ts(x).numpy(), want, atol=1e-5)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from chexflow.data import loader as L
+from chexflow.data import shard_reader as SR
 
 
 def _npy(a: np.ndarray) -> bytes:
@@ -45,12 +45,12 @@ def test_iter_shard_matches_webdataset(tmp_path, fmt, mtime):
                     (f"{key}.meta.json", b'{"image": "x", "patient": "p"}')]
     path = tmp_path / "s.tar"
     _write(path, fmt, members, mtime)
-    ours = list(L.iter_shard(str(path)))
+    ours = list(SR.iter_shard(str(path)))
     ref = _reference(path)
     assert len(ours) == len(ref) == 5
     for a, b in zip(ours, ref):
         assert a == b
-        img, target, key = L._decode(a)
+        img, target, key = SR.decode(a)
         assert np.array_equal(img.numpy(), np.load(io.BytesIO(b["img.npy"])))
         assert np.array_equal(target.numpy(), np.load(io.BytesIO(b["target.npy"])), equal_nan=True)
         assert key == ("p", "x") and img.numpy().flags.writeable
@@ -59,10 +59,10 @@ def test_iter_shard_matches_webdataset(tmp_path, fmt, mtime):
 def test_load_npy_dtypes_and_fortran_order():
     for a in (np.arange(12, dtype=np.int64).reshape(3, 4), np.asfortranarray(np.arange(6.0).reshape(2, 3)),
               np.int64(7), np.zeros((0, 3), np.float32)):
-        out = L._load_npy(_npy(a))
+        out = SR._load_npy(_npy(a))
         assert out.dtype == np.asarray(a).dtype and np.array_equal(out, a)
     with pytest.raises(ValueError, match="truncated"):
-        L._load_npy(_npy(np.arange(100, dtype=np.uint8))[:-10])
+        SR._load_npy(_npy(np.arange(100, dtype=np.uint8))[:-10])
 
 
 def test_corrupt_and_truncated_shards_named(tmp_path):
@@ -72,9 +72,9 @@ def test_corrupt_and_truncated_shards_named(tmp_path):
     bad = tmp_path / "bad.tar"
     data[10] ^= 0xFF                                         # header byte: checksum no longer matches
     bad.write_bytes(bytes(data))
-    with pytest.raises(L.ShardReadError, match=r"bad\.tar.*checksum"):
-        list(L.iter_shard(str(bad)))
+    with pytest.raises(SR.ShardReadError, match=r"bad\.tar.*checksum"):
+        list(SR.iter_shard(str(bad)))
     short = tmp_path / "short.tar"
     short.write_bytes(path.read_bytes()[:600])
-    with pytest.raises(L.ShardReadError, match=r"short\.tar.*truncated"):
-        list(L.iter_shard(str(short)))
+    with pytest.raises(SR.ShardReadError, match=r"short\.tar.*truncated"):
+        list(SR.iter_shard(str(short)))

@@ -53,9 +53,9 @@ def _write_part(raw: Path, demo_manifest: Path, out: Path, part: int = 1, **cfg)
 
 
 def _written_keys(part_dir: Path) -> list[str]:
-    from chexflow.data import loader as L
+    from chexflow.data import shard_reader as SR
     return [json.loads(s["meta.json"])["image"] for shard in sorted(part_dir.glob("*.tar"))
-            for s in L.iter_shard(str(shard))]
+            for s in SR.iter_shard(str(shard))]
 
 
 # --------------------------------------------------------------------------- duplicate image names

@@ -9,7 +9,11 @@ import pytest
 import torch
 import webdataset as wds
 
-from chexflow.data import loader as L
+from chexflow.data import augment as AU
+from chexflow.data import epoch_plan as EP
+from chexflow.data import loader as LD
+from chexflow.data import manifest as MF
+from chexflow.data import shard_reader as SR
 from chexflow.data import shards as S
 from conftest import REPO, cli_env
 
@@ -27,16 +31,16 @@ def test_manifest_counts_and_patient_disjoint(demo_manifest):
         for sh in split["shards"]:
             p = demo_manifest.parent / sh["path"]
             assert sha256_file(p) == sh["sha256"]
-            assert sum(1 for _ in L.iter_shard(str(p))) == sh["count"]
+            assert sum(1 for _ in SR.iter_shard(str(p))) == sh["count"]
 
 
 def test_shard_samples_match_labels(demo_manifest):
     raw = demo_manifest.parent.parent / "raw"
     from chexflow.data import nih
     table = nih.read_labels(raw / "Data_Entry_2017_v2020.csv")
-    shards = L.split_shards(demo_manifest, "test")
-    for sample in L.iter_shard(shards[0].path):
-        img, target, key = L._decode(sample)
+    shards = MF.split_shards(demo_manifest, "test")
+    for sample in SR.iter_shard(shards[0].path):
+        img, target, key = SR.decode(sample)
         patient, image = key
         assert img.dtype == torch.uint8 and img.shape == (32, 32)
         assert np.array_equal(target.numpy(), table.loc[image, list(nih.LABELS)].to_numpy(np.float32))
@@ -45,25 +49,25 @@ def test_shard_samples_match_labels(demo_manifest):
 
 @pytest.mark.parametrize("world, workers", [(2, 2), (3, 1), (1, 2)])
 def test_each_sample_at_most_once_per_epoch_in_full_batches(demo_manifest, world, workers):
-    shards = L.split_shards(demo_manifest, "train")
+    shards = MF.split_shards(demo_manifest, "train")
     total = sum(s.count for s in shards)
-    steps = L.epoch_steps(shards, world=world, batch_size=7)
+    steps = EP.epoch_steps(shards, world=world, batch_size=7)
     for epoch in (0, 1):
         keys = []
         for rank in range(world):
-            stream = L.ShardStream(shards, rank=rank, world=world, seed=3, batch_size=7, epoch=epoch,
+            stream = LD.ShardStream(shards, rank=rank, world=world, seed=3, batch_size=7, epoch=epoch,
                                    shuffle=True, shuffle_buffer=16)
-            batches = [k for _, _, k in L.make_loader(stream, batch_size=7, workers=workers, pin_memory=False)]
+            batches = [k for _, _, k in LD.make_loader(stream, batch_size=7, workers=workers, pin_memory=False)]
             assert len(batches) == steps and all(len(k) == 7 for k in batches)
             keys += [x for k in batches for x in k]
         assert len(set(keys)) == len(keys) == world * steps * 7 > total - world * 7
 
 
 def test_epochs_reshuffle_and_seed_determinism(demo_manifest):
-    shards = L.split_shards(demo_manifest, "train")
+    shards = MF.split_shards(demo_manifest, "train")
 
     def order(epoch, seed=3):
-        s = L.ShardStream(shards, rank=0, world=1, seed=seed, batch_size=4, epoch=epoch, shuffle_buffer=16)
+        s = LD.ShardStream(shards, rank=0, world=1, seed=seed, batch_size=4, epoch=epoch, shuffle_buffer=16)
         return [k for _, _, k in s]
     assert order(0) == order(0)
     assert order(0) != order(1)
@@ -73,12 +77,12 @@ def test_epochs_reshuffle_and_seed_determinism(demo_manifest):
 def test_gpu_augment_shapes_and_determinism():
     from chexflow.data.config import AugmentConfig
     x = torch.randint(0, 255, (4, 40, 40), dtype=torch.uint8)
-    a = L.gpu_augment(x, out_size=32, train=True, cfg=AugmentConfig(rotate_deg=5),
+    a = AU.gpu_augment(x, out_size=32, train=True, cfg=AugmentConfig(rotate_deg=5),
                       generator=torch.Generator().manual_seed(1))
-    b = L.gpu_augment(x, out_size=32, train=True, cfg=AugmentConfig(rotate_deg=5),
+    b = AU.gpu_augment(x, out_size=32, train=True, cfg=AugmentConfig(rotate_deg=5),
                       generator=torch.Generator().manual_seed(1))
     assert a.shape == (4, 1, 32, 32) and torch.equal(a, b)
-    e = L.gpu_augment(x, out_size=40, train=False, cfg=None, generator=None)
+    e = AU.gpu_augment(x, out_size=40, train=False, cfg=None, generator=None)
     assert torch.allclose(e[:, 0], (x.float() / 255 - 0.5) / 0.25)
 
 
@@ -171,7 +175,7 @@ def test_shard_tar_is_byte_for_byte_webdatasets_and_the_job_imports_no_torch(tmp
         for sample in samples:
             sink.write(sample)
     assert (tmp_path / "chexflow.tar").read_bytes() == (tmp_path / "webdataset.tar").read_bytes()
-    read = list(L.iter_shard(str(tmp_path / "chexflow.tar")))
+    read = list(SR.iter_shard(str(tmp_path / "chexflow.tar")))
     assert [{k: v for k, v in r.items() if not k.startswith("_")} for r in read] == \
         [{k: v for k, v in smp.items() if not k.startswith("_")} for smp in samples]
     assert [r["__key__"] for r in read] == [smp["__key__"] for smp in samples]

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from chexflow.data import loader as L
+from chexflow.data import loader as LD
+from chexflow.data import shard_reader as SR
+from chexflow.data import staging as ST
 from chexflow.data import manifest as M
 from chexflow.data import shards as S
 from chexflow.evaluate import run as evaluate
@@ -56,7 +58,7 @@ def _set_train_path(manifest: Path, path: str) -> None:
 
 
 def _samples(shards) -> list[str]:
-    stream = L.ShardStream(shards, rank=0, world=1, seed=0, batch_size=8, shuffle=False)
+    stream = LD.ShardStream(shards, rank=0, world=1, seed=0, batch_size=8, shuffle=False)
     return [sid.image for _, _, sid in stream]
 
 
@@ -64,7 +66,7 @@ def _samples(shards) -> list[str]:
 
 def test_every_shard_is_checked_once_per_process_and_then_read(demo_manifest, tmp_path):
     manifest = _copy(demo_manifest, tmp_path / "ds")
-    shards = L.split_shards(manifest, "train")
+    shards = M.split_shards(manifest, "train")
     m = json.loads(manifest.read_text())
     # the refs carry the manifest's sha256, computed here independently from the files
     for ref, entry in zip(shards, m["splits"]["train"]["shards"]):
@@ -92,10 +94,10 @@ def test_every_shard_is_checked_once_per_process_and_then_read(demo_manifest, tm
 def test_a_shard_path_out_of_the_manifests_folder_is_refused_before_open(demo_manifest, tmp_path, path, why):
     manifest = _copy(demo_manifest, tmp_path / "ds")
     _set_train_path(manifest, path)
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from chexflow.data import loader as L\n"
-            "try:\n    L.split_shards(sys.argv[1], 'train')\nexcept L.ManifestError as e:\n    print(e); sys.exit(3)")
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from chexflow.data import manifest as M\n"
+            "try:\n    M.split_shards(sys.argv[1], 'train')\nexcept M.ManifestError as e:\n    print(e); sys.exit(3)")
     # a subprocess with a timeout: /dev/zero opened would hash forever
-    proc = subprocess.run([sys.executable, "-c", code, str(manifest), str(Path(L.__file__).parents[2])],
+    proc = subprocess.run([sys.executable, "-c", code, str(manifest), str(Path(M.__file__).parents[2])],
                           capture_output=True, text=True, timeout=60, env=cli_env())
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.startswith(f"{manifest}: shard path {path!r} ")
@@ -110,8 +112,8 @@ def test_a_symbolic_link_out_of_the_folder_is_refused(demo_manifest, tmp_path):
     shutil.copyfile(shard, outside)      # even the right bytes: a link out of the folder is refused
     shard.unlink()
     shard.symlink_to(outside)
-    with pytest.raises(L.ManifestError) as ei:
-        L.split_shards(manifest, "train")
+    with pytest.raises(M.ManifestError) as ei:
+        M.split_shards(manifest, "train")
     assert str(ei.value) == (f"{manifest}: shard path {entry['path']!r} leads out of the manifest's folder "
                              f"{os.path.realpath(manifest.parent)} (resolves to {outside})")
 
@@ -122,7 +124,7 @@ def test_a_symbolic_link_inside_the_folder_is_followed_and_checked(demo_manifest
     moved = manifest.parent / "moved.tar"
     shard.rename(moved)
     shard.symlink_to(moved)
-    shards = L.split_shards(manifest, "train")
+    shards = M.split_shards(manifest, "train")
     assert shards[0].path == str(moved) and len(_samples(shards)) == sum(s.count for s in shards)
 
 
@@ -131,10 +133,10 @@ def test_a_fifo_under_a_shards_name_is_refused_without_blocking(demo_manifest, t
     entry, shard = _first_train(manifest)
     shard.unlink()
     os.mkfifo(shard)
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from chexflow.data import loader as L\n"
-            "try:\n    L.ShardStream(L.split_shards(sys.argv[1], 'train'), rank=0, world=1, seed=0, batch_size=4)\n"
-            "except L.ManifestError as e:\n    print(e); sys.exit(3)")
-    proc = subprocess.run([sys.executable, "-c", code, str(manifest), str(Path(L.__file__).parents[2])],
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from chexflow.data import loader as LD, manifest as M\n"
+            "try:\n    LD.ShardStream(M.split_shards(sys.argv[1], 'train'), rank=0, world=1, seed=0, batch_size=4)\n"
+            "except M.ManifestError as e:\n    print(e); sys.exit(3)")
+    proc = subprocess.run([sys.executable, "-c", code, str(manifest), str(Path(M.__file__).parents[2])],
                           capture_output=True, text=True, timeout=60, env=cli_env())
     assert proc.returncode == 3, proc.stderr
     assert f"shard {entry['path']!r} of {manifest}: cannot be read" in proc.stdout
@@ -153,9 +155,9 @@ def test_another_datasets_shard_is_refused(demo_manifest, tmp_path):
     entry, shard = _first_train(manifest)
     foreign = other.parent / json.loads(other.read_text())["splits"]["train"]["shards"][0]["path"]
     shutil.copyfile(foreign, shard)
-    assert len(list(L.iter_shard(str(shard)))) == 20     # a well-formed shard: only its checksum tells
+    assert len(list(SR.iter_shard(str(shard)))) == 20     # a well-formed shard: only its checksum tells
     with pytest.raises(M.ShardVerifyError) as ei:
-        _samples(L.split_shards(manifest, "train"))
+        _samples(M.split_shards(manifest, "train"))
     assert str(ei.value).startswith(_refusal(manifest, entry))
     assert "another dataset's shard; refused" in str(ei.value)
 
@@ -168,9 +170,9 @@ def test_a_tampered_shard_is_refused(demo_manifest, tmp_path):
         member = next(m for m in tar if m.name.endswith(".img.npy"))
     data[member.offset_data + 200] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert len(list(L.iter_shard(str(shard)))) == entry["count"]
+    assert len(list(SR.iter_shard(str(shard)))) == entry["count"]
     with pytest.raises(M.ShardVerifyError, match="changed, cut short, or another dataset's shard") as ei:
-        _samples(L.split_shards(manifest, "train"))
+        _samples(M.split_shards(manifest, "train"))
     assert str(ei.value).startswith(_refusal(manifest, entry))
 
 
@@ -180,9 +182,9 @@ def test_a_truncated_shard_is_refused(demo_manifest, tmp_path):
     with tarfile.open(shard) as tar:          # cut before its last sample: the reader alone would not notice
         last = [m for m in tar][-3]
     shard.write_bytes(shard.read_bytes()[:last.offset])
-    assert len(list(L.iter_shard(str(shard)))) == entry["count"] - 1
+    assert len(list(SR.iter_shard(str(shard)))) == entry["count"] - 1
     with pytest.raises(M.ShardVerifyError) as ei:
-        _samples(L.split_shards(manifest, "train"))
+        _samples(M.split_shards(manifest, "train"))
     assert str(ei.value).startswith(_refusal(manifest, entry))
     assert f"({last.offset:,} bytes)" in str(ei.value)
 
@@ -190,7 +192,7 @@ def test_a_truncated_shard_is_refused(demo_manifest, tmp_path):
 def test_a_shard_changed_after_its_check_is_checked_again_by_the_worker(demo_manifest, tmp_path):
     manifest = _copy(demo_manifest, tmp_path / "ds")
     entry, shard = _first_train(manifest)
-    stream = L.ShardStream(L.split_shards(manifest, "train"), rank=0, world=1, seed=0, batch_size=8, shuffle=False)
+    stream = LD.ShardStream(M.split_shards(manifest, "train"), rank=0, world=1, seed=0, batch_size=8, shuffle=False)
     data = bytearray(shard.read_bytes())
     data[-2000] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -203,8 +205,8 @@ def test_a_manifest_entry_without_a_checksum_is_refused(demo_manifest, tmp_path)
     m = json.loads(manifest.read_text())
     del m["splits"]["val"]["shards"][0]["sha256"]
     manifest.write_text(json.dumps(m))
-    with pytest.raises(L.ManifestError, match="has no sha256"):
-        L.split_shards(manifest, "val")
+    with pytest.raises(M.ManifestError, match="has no sha256"):
+        M.split_shards(manifest, "val")
 
 
 # --------------------------------------------------------------------------- every reader
@@ -240,35 +242,35 @@ def test_training_cli_refuses_it(demo_manifest, tmp_path):
 
 def test_staging_checks_the_node_local_copies(demo_manifest, tmp_path):
     manifest = _copy(demo_manifest, tmp_path / "ds")
-    shards = L.split_shards(manifest, "train")
-    staged = L.stage_shards(shards, tmp_path / "local")
+    shards = M.split_shards(manifest, "train")
+    staged = ST.stage_shards(shards, tmp_path / "local")
     assert [hashlib.sha256(Path(s.path).read_bytes()).hexdigest() for s in staged] == [s.sha256 for s in shards]
     # a stale copy of the same size on the node is replaced, not read
     data = bytearray(Path(staged[0].path).read_bytes())
     data[700] ^= 0x10
     Path(staged[0].path).write_bytes(bytes(data))
     M.forget_verified()
-    again = L.stage_shards(shards, tmp_path / "local")
+    again = ST.stage_shards(shards, tmp_path / "local")
     assert hashlib.sha256(Path(again[0].path).read_bytes()).hexdigest() == shards[0].sha256
     assert len(_samples(again)) == sum(s.count for s in shards)
 
 
 def test_staging_refuses_a_tampered_source(demo_manifest, tmp_path):
     manifest = _tampered(demo_manifest, tmp_path / "ds")
-    shards = L.split_shards(manifest, "train")
+    shards = M.split_shards(manifest, "train")
     with pytest.raises(M.ShardVerifyError) as ei:
-        L.stage_shards(shards, tmp_path / "local")
+        ST.stage_shards(shards, tmp_path / "local")
     assert f"(copied from {shards[-1].path})' of {manifest}: its sha256" in str(ei.value)
     # the ranks that only map the paths check the copies when they build their streams
     with pytest.raises(M.ShardVerifyError):
-        L.ShardStream(L.stage_shards(shards, tmp_path / "local", copy=False), rank=0, world=1, seed=0, batch_size=4)
+        LD.ShardStream(ST.stage_shards(shards, tmp_path / "local", copy=False), rank=0, world=1, seed=0, batch_size=4)
 
 
 def test_evaluation_refuses_it(demo_manifest, tmp_path):
     manifest = _tampered(demo_manifest, tmp_path / "ds", "test")
     net = build_model("resnet18", in_channels=1, num_outputs=14)
     with pytest.raises(M.ShardVerifyError, match=f"of {manifest}: its sha256"):
-        evaluate.predict(net, L.split_shards(manifest, "test"), crop=32, batch_size=8, device=torch.device("cpu"))
+        evaluate.predict(net, M.split_shards(manifest, "test"), crop=32, batch_size=8, device=torch.device("cpu"))
 
 
 def test_gather_refuses_a_part_manifest_listing_a_file_out_of_its_folder(demo_manifest, tmp_path):

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from chexflow.data import loader as L
+from chexflow.data import epoch_plan as EP
+from chexflow.data import manifest as MF
+from chexflow.data import staging as ST
 from chexflow.data import manifest as M
 from chexflow.data import stamps as S
 from test_shards_verify import _copy
@@ -43,7 +45,7 @@ def settled(monkeypatch):
 class Dataset:
     def __init__(self, demo_manifest: Path, root: Path) -> None:
         self.manifest = _copy(demo_manifest, root / "ds")
-        self.shards = L.split_shards(self.manifest, "train") + L.split_shards(self.manifest, "val")
+        self.shards = MF.split_shards(self.manifest, "train") + MF.split_shards(self.manifest, "val")
         self.bytes = sum(os.path.getsize(s.path) for s in self.shards)
         self.log: list[str] = []
         self.store = S.StampStore(root / "verified", self.manifest, log=self.log.append)
@@ -53,7 +55,7 @@ class Dataset:
         what it did and the bytes this process read meanwhile."""
         M.forget_verified()
         before = rchar()
-        done = L.verify_on_world(self.shards, [0] * len(self.shards), L.Alone(), store or self.store)
+        done = MF.verify_on_world(self.shards, [0] * len(self.shards), MF.Alone(), store or self.store)
         return done, rchar() - before
 
 
@@ -266,9 +268,9 @@ def test_a_save_renamed_into_place_while_a_reader_opens_the_file_is_read_again(d
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 def test_each_shard_is_checked_by_a_rank_that_reads_it_in_the_first_epoch(demo_manifest, world):
     for split, shuffle in (("train", True), ("val", False)):
-        shards = L.split_shards(demo_manifest, split)
-        owners = L.first_readers(shards, world=world, seed=5, batch_size=4, shuffle=shuffle)
-        reads = [{path for run in L.plan_epoch(shards, rank=r, world=world, epoch=0, seed=5, batch_size=4,
+        shards = MF.split_shards(demo_manifest, split)
+        owners = EP.first_readers(shards, world=world, seed=5, batch_size=4, shuffle=shuffle)
+        reads = [{path for run in EP.plan_epoch(shards, rank=r, world=world, epoch=0, seed=5, batch_size=4,
                                                 shuffle=shuffle) for path, _, _ in run.pieces}
                  for r in range(world)]
         unread = [i for i, s in enumerate(shards) if not any(s.path in mine for mine in reads)]
@@ -283,10 +285,10 @@ def test_the_unread_remainder_goes_to_the_ranks_in_turn():
     """Six shards of 10 samples, 2 ranks, batch 8: a step takes 16 samples, 3 steps take 48, so
     the epoch's last 12 samples (the sixth shard and 2 of the fifth) wait for another epoch."""
     shards = [M.ShardRef(f"/s{i}", 10) for i in range(6)]
-    owners = L.first_readers(shards, world=2, seed=0, batch_size=8, shuffle=False)
+    owners = EP.first_readers(shards, world=2, seed=0, batch_size=8, shuffle=False)
     assert owners == [0, 0, 0, 1, 1, 1]          # evaluation: 30 samples each, every shard read
-    order = L.epoch_order(list(range(6)), epoch=0, seed=0, shuffle=True)
-    owners = L.first_readers(shards, world=2, seed=0, batch_size=8)
+    order = EP.epoch_order(list(range(6)), epoch=0, seed=0, shuffle=True)
+    owners = EP.first_readers(shards, world=2, seed=0, batch_size=8)
     # rank 0 reads samples 0-23 (shards order[0..2]), rank 1 24-47 (order[2..4]); order[5] is unread
     assert [owners[i] for i in order] == [0, 0, 0, 1, 1, 0]
 
@@ -296,23 +298,23 @@ def test_the_unread_remainder_goes_to_the_ranks_in_turn():
 def test_a_nodes_other_ranks_use_the_fresh_copies_without_reading_them(ds, tmp_path, monkeypatch):
     local = tmp_path / "node" / "chexflow-shards"
     before = rchar()
-    staged = L.stage_shards(ds.shards, local, start="job-1")
+    staged = ST.stage_shards(ds.shards, local, start="job-1")
     assert ds.bytes <= rchar() - before <= ds.bytes + SLACK           # each source read once: copied and hashed
-    mapped = L.stage_shards(ds.shards, local, copy=False)
+    mapped = ST.stage_shards(ds.shards, local, copy=False)
     assert [s.path for s in mapped] == [s.path for s in staged]
     stamp_size = (local / S.StampStore(local, ds.manifest).path.name).stat().st_size
     M.forget_verified()
     before = rchar()
-    L.verify_staged(mapped, local, start="job-1")        # the node's other ranks of this start
+    ST.verify_staged(mapped, local, start="job-1")        # the node's other ranks of this start
     assert rchar() - before <= stamp_size + SLACK
     M.forget_verified()
     before = rchar()
-    L.verify_staged(mapped, local, start="job-2")        # another start: the copies are too new to trust
+    ST.verify_staged(mapped, local, start="job-2")        # another start: the copies are too new to trust
     assert rchar() - before >= ds.bytes
     # a requeue on the same node, the copies older than the racy window: kept, nothing read
     monkeypatch.setattr(S, "SETTLE_NS", 0)
-    L.stage_shards(ds.shards, local, start="job-2")       # (stamps them settled)
+    ST.stage_shards(ds.shards, local, start="job-2")       # (stamps them settled)
     M.forget_verified()
     before = rchar()
-    L.stage_shards(ds.shards, local, start="job-3")
+    ST.stage_shards(ds.shards, local, start="job-3")
     assert rchar() - before <= stamp_size + SLACK

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from chexflow.data import loader as L
+from chexflow.data import manifest as MF
 from chexflow.data import manifest as M
 from chexflow.data.stamps import StampStore
 from chexflow.evaluate import run as evaluate
@@ -42,7 +42,7 @@ def chexflow(*args: str, env: dict) -> str:
 def test_a_sweep_trial_a_scale_point_and_evaluation_share_the_stamps(demo_manifest, tmp_path, capsys):
     verified = tmp_path / "verified"
     env = {**cli_env(), "CHEXFLOW_VERIFIED_DIR": str(verified)}
-    split = {name: L.split_shards(demo_manifest, name) for name in ("train", "val", "test")}
+    split = {name: MF.split_shards(demo_manifest, name) for name in ("train", "val", "test")}
     size = {name: sum(os.path.getsize(s.path) for s in refs) for name, refs in split.items()}
     n_train_val = len(split["train"]) + len(split["val"])
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from chexflow.data import loader as L
+from chexflow.data import epoch_plan as EP
+from chexflow.data import manifest as MF
 from chexflow.data.stamps import StampStore
 from chexflow.train.checkpoint import load_pt
 from conftest import REPO, checkpoint_step, cli_env, horovod_available
@@ -51,12 +52,12 @@ def launch(backend: str, manifest: Path, work: Path, tag: str, max_steps: int) -
 def first_epoch_shares(manifest: Path) -> tuple[list[set[str]], set[str], dict[str, int]]:
     """The shard files each rank reads in its first epoch (training as train_cfg plans it, then its
     slice of validation), the files no rank reads then, and every file's size."""
-    train, val = L.split_shards(manifest, "train"), L.split_shards(manifest, "val")
+    train, val = MF.split_shards(manifest, "train"), MF.split_shards(manifest, "val")
     cfg = train_cfg("ddp")
     shares = []
     for r in range(WORLD):
-        runs = L.plan_epoch(train, rank=r, world=WORLD, epoch=0, seed=cfg["seed"], batch_size=cfg["batch_size"]) + \
-            L.plan_epoch(val, rank=r, world=WORLD, epoch=0, seed=cfg["seed"], batch_size=cfg["batch_size"],
+        runs = EP.plan_epoch(train, rank=r, world=WORLD, epoch=0, seed=cfg["seed"], batch_size=cfg["batch_size"]) + \
+            EP.plan_epoch(val, rank=r, world=WORLD, epoch=0, seed=cfg["seed"], batch_size=cfg["batch_size"],
                          shuffle=False)
         shares.append({path for run in runs for path, _, _ in run.pieces})
     sizes = {s.path: os.path.getsize(s.path) for s in train + val}

@@ -50,6 +50,8 @@ CODES: dict[int, str] = {
     11: "a file could not be read or written (the operating system's reason)",
     12: "an exported model disagrees with torch",
     13: "the ranks' launch environment does not fit the training backend",
+    14: "a process stalled: the watchdog ended the job (the retry resumes from the last checkpoint)",
+    15: "a loader worker ended unasked: killed by a signal (the OOM killer's too) or exited",
 }
 # the trainer's verdicts: chexflow.train turns them into its own exit statuses (no valid epoch, the
 # checkpoint directory held) before they could reach a command's end; one that did would be a bug
@@ -110,6 +112,11 @@ REFUSALS: dict[str, Refusal] = {
     "WriteError": Refusal(11, "free space or fix the directory, then run snakemake again: training resumes"),
     "ExportMismatchError": Refusal(12, "report it with the model file and the versions of torch and onnxruntime"),
     "DistributedError": Refusal(13, "start the ranks with chexflow launch or srun, or set training.backend"),
+    # the job's processes
+    "Stalled": Refusal(14, "a stall: the job exits 14 so that the cluster's retry resumes it from its last "
+                           "checkpoint; the bound is config.yaml's watchdog section, docs/cluster.md"),
+    "LoaderWorkerDied": Refusal(15, "run snakemake again: training resumes from its last checkpoint; if memory "
+                                    "ran out, lower data.workers or raise the rule's mem_mb"),
 }
 
 

@@ -3,8 +3,8 @@
 Every shard a split lists is a path relative to the manifest's folder and stays inside it: an
 absolute path, a ``..`` component or a symbolic link that leads out of the folder is refused before
 anything is opened. Every shard is checked against the sha256 the manifest records before its
-samples are used, in the process that builds the stream, before the loader's workers fork (they
-inherit what was checked): a shard whose inode, size, mtime or ctime differs from when it was
+samples are used, in the process that builds the stream, before the loader's workers start (they
+receive what was checked): a shard whose inode, size, mtime or ctime differs from when it was
 checked is checked again. A shard that is not what the manifest lists (another dataset's, changed,
 cut short) is a :class:`ShardVerifyError` naming the shard and the manifest.
 
@@ -223,6 +223,17 @@ def verify_on_world(shards: list[ShardRef], owners: list[int], world: World,
         store.save(fresh)
     return Checked(shards=len(found), hashed=len(fresh), hashed_bytes=sum(s.size for s in fresh.values()),
                    hashed_here=sum(stamp.size for _, _, stamp, hashed, _ in mine if hashed))
+
+
+def checked_stamps(paths: list[str]) -> dict[str, Stamp]:
+    """What this process found when it checked these shards (for a loader worker, another process)."""
+    return {path: _VERIFIED[path] for path in paths if path in _VERIFIED}
+
+
+def remember_checked(stamps: dict[str, Stamp]) -> None:
+    """Take what the process that made this loader worker checked (:func:`checked_stamps`): a shard
+    changed since is still hashed again, as in that process."""
+    _VERIFIED.update(stamps)
 
 
 def forget_verified() -> None:

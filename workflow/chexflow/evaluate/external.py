@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from chexflow.data import labelmap, loader
+from chexflow.data import labelmap
+from chexflow.data.manifest import read_manifest, split_shards
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
 from chexflow.evaluate.metrics import independent_bootstrap_auroc_diff, positives
@@ -44,7 +45,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
     model_labels = list(internal["labels"])
     model, info = load_model(model_path, expect={"task": "multilabel", "labels": model_labels,
                                                   "run_id": internal.get("model_run_id")})
-    m = loader.read_manifest(Path(manifest))
+    m = read_manifest(Path(manifest))
     if m.get("task") != "multilabel":
         raise ExternalInputError(f"{manifest}: {m.get('dataset')} is not a multi-label dataset of findings")
     if "test" not in m.get("splits", {}):
@@ -55,7 +56,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
                                  f"model's {model_labels} (chexflow.data.labelmap)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    s, y, patients, images = predict(model, loader.split_shards(manifest, "test"), crop=info["crop"],
+    s, y, patients, images = predict(model, split_shards(manifest, "test"), crop=info["crop"],
                                      batch_size=cfg.batch_size, device=device)
     ours = [model_labels.index(a) for a, _ in found.pairs]
     theirs = [list(m["labels"]).index(b) for _, b in found.pairs]

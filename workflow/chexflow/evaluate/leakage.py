@@ -6,7 +6,7 @@ A model's run id covers what shapes its training, the train and val splits
 alone neither restart training nor make the model stale. What makes scoring it on the test split
 sound is checked here instead: the patients of the train and val shards and of the test shards
 (every shard checked against the manifest's sha256, the patients read from the samples'
-``meta.json``) share none. The hash is the shard check's (``chexflow.data.loader.verify_shards``):
+``meta.json``) share none. The hash is the shard check's (``chexflow.data.manifest.verify_shards``):
 a shard this process has checked, or whose verification stamp vouches for it (evaluation checks every
 split it reads with the stamps first, and training stamped the train split), is not read again; what
 is left is the small ``meta.json`` members.
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chexflow.data.loader import ManifestError, read_manifest, shard_patients, split_shards
+from chexflow.data.manifest import ManifestError, read_manifest, split_shards
+from chexflow.data.shard_reader import shard_patients
 from chexflow.train.identity import TRAINING_SPLITS, split_summary
 
 SHOWN = 5       # shared patients named in a refusal

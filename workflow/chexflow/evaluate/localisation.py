@@ -4,7 +4,7 @@ Reference boxes are in pixels of the release's images (NIH's ``BBox_List_2017.cs
 the demo's phantom release writes where it drew each finding in the same format). A heatmap is in
 pixels of the evaluation input. ``to_eval_frame`` maps a box through exactly the geometry of the
 preprocessing: the central square of the original (``images.resize_square``), resized to the stored
-side (shards), resized to the evaluation crop (``loader.gpu_augment`` with ``train=False``). Each
+side (shards), resized to the evaluation crop (``augment.gpu_augment`` with ``train=False``). Each
 step is a crop or a uniform scale of the whole image, so a box maps by one offset and one factor.
 
 Scores (Zhang et al. 2016; Wang et al. 2017, as CheXNet reports them):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chexflow.data import loader
+from chexflow.data.augment import MEAN, STD
+from chexflow.data.manifest import read_manifest
 from chexflow.evaluate.predict_record import predict_problems, predict_record
 from chexflow.train.checkpoint import model_problems, save_atomic
 
@@ -21,13 +22,13 @@ class ModelFileInputError(ValueError):
 
 def record_of(result: dict, manifest: Path, labels: list[str]) -> dict:
     """The predict record of the evaluation ``result`` (its metrics.json content) on ``manifest``."""
-    m = loader.read_manifest(Path(manifest))
+    m = read_manifest(Path(manifest))
     for key, tp in (("image_size", int), ("synthetic", bool), ("title", str)):
         if isinstance(m.get(key), bool) is not (tp is bool) or not isinstance(m.get(key), tp):
             raise ModelFileInputError(f"{manifest}: {key!r} must be a {tp.__name__}, got {m.get(key)!r}")
     entries = result["labels"]
     return predict_record(
-        stored_size=m["image_size"], mean=loader.MEAN, std=loader.STD, synthetic=m["synthetic"],
+        stored_size=m["image_size"], mean=MEAN, std=STD, synthetic=m["synthetic"],
         dataset_title=m["title"], labels=labels,
         thresholds={label: entries[label].get("threshold_val_youden") for label in labels},
         val_positives={label: {"images": entries[label]["val_positives"],

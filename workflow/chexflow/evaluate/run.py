@@ -19,7 +19,11 @@ import pandas as pd
 import torch
 
 from chexflow import host
-from chexflow.data import loader, nih
+from chexflow.data import nih
+from chexflow.data.augment import gpu_augment
+from chexflow.data.loader import ShardStream, make_loader
+from chexflow.data.manifest import Alone, read_manifest, split_shards, verify_on_world
+from chexflow.data.stamps import StampStore
 from chexflow.evaluate import leakage, localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
@@ -34,13 +38,13 @@ from chexflow.train.models import ieee_fp32
 
 
 def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
-    stream = loader.ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
-    batches = loader.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
+    stream = ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
+    batches = make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
     scores, targets, patients, images = [], [], [], []
     model.eval()
     with torch.no_grad(), ieee_fp32():
         for x, y, ids in batches:
-            z = loader.gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
+            z = gpu_augment(x.to(device), out_size=crop, train=False, cfg=None, generator=None)
             scores.append(torch.sigmoid(model(z).float()).cpu().numpy())
             targets.append(y.numpy().astype(np.float64))
             patients += [i.patient for i in ids]
@@ -75,7 +79,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     if boxes is not None and box_frame is None:
         raise ConfigError(f"{boxes}: the box list needs the side of the images its boxes refer to (--box-frame)")
     out_dir = Path(out_dir)
-    expect = {"task": "multilabel", "labels": list(loader.read_manifest(manifest)["labels"])}
+    expect = {"task": "multilabel", "labels": list(read_manifest(manifest)["labels"])}
     if expect_run_ids is not None:
         ids = sorted(expect_run_ids)
         expect["run_id"] = ids[0] if len(ids) == 1 else frozenset(ids)
@@ -84,10 +88,10 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     # every shard evaluation reads, the training splits' for the leak check (by their stamps: training
     # stamped them), hashed at most once, then no test patient trained or selected on
     checked_splits = [*leakage.training_splits(Path(manifest)), "test"]
-    shards = {split: loader.split_shards(manifest, split) for split in checked_splits}
+    shards = {split: split_shards(manifest, split) for split in checked_splits}
     every = [ref for split in checked_splits for ref in shards[split]]
-    store = None if verified is None else loader.StampStore(verified, manifest)
-    print(loader.verify_on_world(every, [0] * len(every), loader.Alone(), store), flush=True)
+    store = None if verified is None else StampStore(verified, manifest)
+    print(verify_on_world(every, [0] * len(every), Alone(), store), flush=True)
     test_split = leakage.checked_test_split(Path(manifest))
     model, info = load_model(model_path, expect=expect)
     labels = list(info["labels"])
@@ -95,7 +99,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     model.to(device)
     crop = info["crop"]
 
-    val_shards, test_shards = loader.split_shards(manifest, "val"), shards["test"]
+    val_shards, test_shards = split_shards(manifest, "val"), shards["test"]
     val = predict(model, val_shards, crop=crop, batch_size=cfg.batch_size, device=device)
     test = predict(model, test_shards, crop=crop, batch_size=cfg.batch_size, device=device)
     s, y, patients, images = test
@@ -137,7 +141,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
         y, s, patients, labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()}, fields,
         age_edges=cfg.age_bands, min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed,
         images=images)
-    stored = int(loader.read_manifest(Path(manifest)).get("image_size") or crop)
+    stored = int(read_manifest(Path(manifest)).get("image_size") or crop)
     heat = _saliency(cfg, model, info, labels, test, result, manifest=Path(manifest), crop=crop, stored=stored,
                      boxes=boxes, box_frame=box_frame, device=device) if heatmaps else _NO_HEATMAPS
     result["localisation"] = heat["summary"]
@@ -179,12 +183,12 @@ def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray
 def inputs_of(shards, wanted: set[str], *, crop: int, batch_size: int, device) -> dict[str, torch.Tensor]:
     """The evaluation inputs (normalised [1, crop, crop], as ``predict`` feeds them) of the images in
     ``wanted``: a second pass over the split's shards, keeping only those."""
-    stream = loader.ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
+    stream = ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
     out: dict[str, torch.Tensor] = {}
-    for x, _, ids in loader.make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False):
+    for x, _, ids in make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False):
         keep = [k for k, i in enumerate(ids) if i.image in wanted]
         if keep:
-            z = loader.gpu_augment(x[keep].to(device), out_size=crop, train=False, cfg=None, generator=None)
+            z = gpu_augment(x[keep].to(device), out_size=crop, train=False, cfg=None, generator=None)
             out.update({ids[k].image: z[n].cpu() for n, k in enumerate(keep)})
     return out
 
@@ -233,7 +237,7 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     gallery = _gallery_pairs(cfg, labels, s, y, result)
     pairs = sorted(set(ref) | {(i, j) for i, j, _ in gallery})
     wanted = {images[i] for i, _ in pairs}
-    inputs = inputs_of(loader.split_shards(manifest, "test"), wanted, crop=crop, batch_size=cfg.batch_size,
+    inputs = inputs_of(split_shards(manifest, "test"), wanted, crop=crop, batch_size=cfg.batch_size,
                        device=device)
     x = torch.stack([inputs[images[i]] for i, _ in pairs]) if pairs else torch.zeros(0, 1, crop, crop)
     maps = saliency.gradcam(model, layer, x, [j for _, j in pairs], batch_size=cfg.saliency.batch_size)

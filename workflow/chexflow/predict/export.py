@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from chexflow import host
-from chexflow.data import loader
+from chexflow.data.loader import ShardStream, make_loader
+from chexflow.data.manifest import split_shards
 from chexflow.evaluate.predict_record import THRESHOLD_RULE
 from chexflow.fsutil import atomic_path, sha256_file, write_text_atomic
 from chexflow.predict import EXPORT_FILES as FILES
@@ -67,9 +68,9 @@ def metadata(predictor: Predictor, info: dict, model_path: Path, card: str | Non
 
 def check_images(manifest: Path, predictor: Predictor, n: int) -> torch.Tensor:
     """The network inputs of the first ``n`` test images of the manifest, preprocessed as evaluation does."""
-    shards = loader.split_shards(manifest, "test")
-    stream = loader.ShardStream(shards, rank=0, world=1, seed=0, batch_size=n, shuffle=False)
-    images, _, _ = next(iter(loader.make_loader(stream, batch_size=n, workers=0, pin_memory=False)))
+    shards = split_shards(manifest, "test")
+    stream = ShardStream(shards, rank=0, world=1, seed=0, batch_size=n, shuffle=False)
+    images, _, _ = next(iter(make_loader(stream, batch_size=n, workers=0, pin_memory=False)))
     return predictor.preprocess.network_input(images.to(predictor.device)).cpu()
 
 

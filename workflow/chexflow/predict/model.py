@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chexflow.data import loader, registry
+from chexflow.data import registry
+from chexflow.data.augment import MEAN, STD, gpu_augment
+from chexflow.data.manifest import read_manifest
 from chexflow.evaluate.predict_record import refuse_if_malformed
 from chexflow.fsutil import read_regular
 from chexflow.train.checkpoint import load_model
@@ -38,16 +40,16 @@ class Preprocess:
     1. decode to uint8 grey, cut the central square, resize to ``stored_size`` (PIL bilinear):
        the shard stage's ``decode`` of the dataset (``data.images``), or ``data.dicom`` for DICOM;
     2. resize to ``crop`` (torch bilinear, antialiased) and normalise ``(x / 255 - mean) / std``:
-       ``data.loader.gpu_augment(train=False)``, as validation and evaluation do.
+       ``data.augment.gpu_augment(train=False)``, as validation and evaluation do.
     """
     stored_size: int
     crop: int
-    mean: float = loader.MEAN
-    std: float = loader.STD
+    mean: float = MEAN
+    std: float = STD
 
     def network_input(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``[B, stored_size, stored_size]`` on the model's device -> float ``[B, 1, crop, crop]``."""
-        return loader.gpu_augment(images, out_size=self.crop, train=False, cfg=None, generator=None,
+        return gpu_augment(images, out_size=self.crop, train=False, cfg=None, generator=None,
                                   mean=self.mean, std=self.std)
 
     def describe(self) -> dict:
@@ -121,7 +123,7 @@ def load_predictor(model_path: Path, manifest_path: Path | None = None, metrics_
     else:
         thresholds = {k: v for k, v in record["thresholds"].items() if v is not None}
         cam_layer = _checked_layer(record["cam_layer"], model, f"{model_path}: predict.cam_layer")
-    mean, std = (record["mean"], record["std"]) if record is not None else (loader.MEAN, loader.STD)
+    mean, std = (record["mean"], record["std"]) if record is not None else (MEAN, STD)
     sources = {"stored_size": str(manifest_path or model_path), "thresholds": str(metrics_path or model_path)}
     model = model.to(device or torch.device("cpu")).eval()
     return Predictor(model, labels, thresholds, run_id, Preprocess(stored, crop, mean, std), dataset,
@@ -129,7 +131,7 @@ def load_predictor(model_path: Path, manifest_path: Path | None = None, metrics_
 
 
 def _read_manifest(path: Path, labels: tuple[str, ...]) -> tuple[int, str, bool | None]:
-    m = loader.read_manifest(path)
+    m = read_manifest(path)
     size, dataset, synthetic = m.get("image_size"), m.get("dataset"), m.get("synthetic")
     if synthetic is not None and not isinstance(synthetic, bool):
         raise PredictInputError(f"{path}: 'synthetic' must be true or false, got {synthetic!r}")

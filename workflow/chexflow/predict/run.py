@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from chexflow.data.images import DecodeError
+from chexflow.data.workers import loader_processes
 from chexflow.evaluate.record import write_predictions
 from chexflow.predict.config import PredictConfig
 from chexflow.predict.files import Reader, list_inputs, reader_for
@@ -48,7 +49,7 @@ def batches(files: list[Path], reader: Reader, *, batch_size: int, workers: int)
     """Lists of ``_Files`` items in file order, decoded by ``workers`` processes (0: this one)."""
     return torch.utils.data.DataLoader(_Files(files, reader), batch_size=batch_size, shuffle=False,
                                        num_workers=workers, collate_fn=list,
-                                       prefetch_factor=2 if workers > 0 else None)
+                                       prefetch_factor=2 if workers > 0 else None, **loader_processes(workers))
 
 
 def run(cfg: PredictConfig, *, model_path: Path, out_csv: Path, manifest: Path | None = None,

@@ -77,7 +77,7 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
     ``job_threads``: the cores of the job on this node, shared evenly by the ranks on this node
     (so world 1 and world 2 on a workstation use the same cores, without oversubscription).
     """
-    from chexflow.data import loader as data
+    from chexflow.data.manifest import read_manifest
     from chexflow.train.backends import backend_for
     from chexflow.train.epochs import read_epochs
     from chexflow.train.inputs import TrainData
@@ -107,7 +107,7 @@ def run_point(pretrain: TrainConfig, scaling: ScalingConfig, *, world: int, mani
         if outcome.finished and backend.is_root:
             history = read_epochs(out_dir / "metrics.jsonl", "scaling point")
             point = throughput_point(history, world=world, scaling=scaling,
-                                     n_epoch_images=epoch_images(pretrain, data.read_manifest(manifest)))
+                                     n_epoch_images=epoch_images(pretrain, read_manifest(manifest)))
             point["threads_per_rank"] = int(os.environ.get("OMP_NUM_THREADS", 0)) or None
             point["ranks_per_node"] = backend.local_size
             point["nodes"] = -(-world // max(backend.local_size, 1))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from chexflow.data.loader import ManifestError, read_manifest
+from chexflow.data.manifest import ManifestError, read_manifest
 from chexflow.fsutil import sha256_file
 from chexflow.settings import ConfigError, to_dict
 from chexflow.train import checkpoint as ckpt

@@ -11,7 +11,7 @@ none the architecture lacks, the same shapes. Two things may differ, and only th
 - the stem: the file's 3-channel (RGB) first convolution saw an image normalised per channel as
   torchvision's weights were trained (ImageNet's mean ``m_c`` and std ``s_c``, the weights' own
   ``transforms()``); chexflow feeds one grey channel normalised as ``(x - 0.5) / 0.25``
-  (``data.loader.MEAN``/``STD``). For a grey pixel ``x`` the original's channel ``c`` is
+  (``data.augment.MEAN``/``STD``). For a grey pixel ``x`` the original's channel ``c`` is
   ``(x - m_c) / s_c = (0.25 / s_c) g + (0.5 - m_c) / s_c`` with ``g`` chexflow's input, so the
   exact fold (:func:`fold_stem`) scales each channel's kernel by ``0.25 / s_c`` and sums over the
   channels, and moves the constant the second term adds to every output channel,
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from chexflow.data.loader import MEAN, STD
+from chexflow.data.augment import MEAN, STD
 from chexflow.train import checkpoint as ckpt
 from chexflow.train.config import TrainConfig
 from chexflow.train.models import load_backbone

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from chexflow import host
-from chexflow.data import loader as data_loader
+from chexflow.data.loader import close_loader
 from chexflow.data.stamps import StampStore
 from chexflow.fsutil import write_text_atomic
 from chexflow.settings import to_dict, write_yaml_atomic
@@ -305,8 +305,8 @@ class Trainer:
             self._finish(model, prog)
             return 0
         finally:
-            data_loader.close_loader(self.train_loader)
-            data_loader.close_loader(self.val_loader)
+            close_loader(self.train_loader)
+            close_loader(self.val_loader)
 
     @property
     def best_path(self) -> Path:

@@ -1,0 +1,229 @@
+"""The stall watchdog: a job whose process stops making progress ends within a bound, with one line.
+
+A long-running command (a training rank, evaluation, predict, a shard job) marks its progress with
+:func:`beat` (a step, a batch, a validation batch, a shard hashed or written). A thread of the
+process compares the time since the last mark with a bound derived from the run itself::
+
+    bound = start_s                                  until the first mark
+    bound = max(floor_s, factor x the longest gap between two marks seen so far)   after it
+
+When nothing has progressed for longer than the bound, the watchdog writes every thread's stack of
+this process to stderr (the job's log; ``faulthandler``), asks the loader workers for theirs
+(``chexflow.data.workers.STACK_SIGNAL``), stops every process this one started, and exits with
+:data:`EXIT_STALLED` after one line naming what stalled (the process, the phase of its last mark,
+what its main thread waits for: a loader worker's pid, a collective)::
+
+    chexflow train: rank 1: no progress for 62 s in validation (bound 60 s: ...): waiting for loader
+    worker pid 4242 (stacks above) (a stall: the job exits 14 so that the cluster's retry resumes it ...)
+
+Snakemake's ``retries`` (profiles/slurm) resubmit the job and training resumes from its last
+checkpoint; a rank waiting in a collective for a rank that stopped ends the same way, and its
+launcher then stops the others. Should the watchdog's own thread be unable to run (a deadlock that
+holds the interpreter's lock), ``faulthandler``'s C-level timer, re-armed by that thread, dumps the
+stacks and exits (status 1) a minute later. Ground floor: imports nothing of chexflow but the
+refusals' table.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from chexflow import errors
+from chexflow.settings import ConfigError, from_dict, setting
+
+ENV = "CHEXFLOW_WATCHDOG"          # the watchdog section of config.yaml, as JSON (set by rules/common.smk)
+EXIT_STALLED = errors.REFUSALS["Stalled"].code
+# the C-level backstop fires this long after the Python watchdog should have
+BACKSTOP_S = 60.0
+# asks a loader worker for every thread's stack (chexflow.data.workers registers it: faulthandler)
+STACK_SIGNAL = signal.SIGUSR2
+
+
+class Stalled(Exception):
+    """A job made no progress within its bound (the refusals' table entry of :func:`Watchdog.fire`,
+    which exits from the watchdog's thread: the main thread, stalled, cannot raise)."""
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """How long a job may make no progress before it is ended (docs/cluster.md, "Stalls")."""
+    enabled: bool = True
+    # until a job's first progress mark (start-up: imports, rendezvous, staging, the first batch)
+    start_s: float = setting(1800.0, gt=0)
+    # after it: the bound is never below floor_s ...
+    floor_s: float = setting(300.0, gt=0)
+    # ... and is factor x the longest gap between two marks seen (a step, a validation pass's batch)
+    factor: float = setting(10.0, ge=1)
+
+
+def config_from_env(environ=os.environ) -> WatchdogConfig:
+    """The settings handed to this job (:data:`ENV`), checked; the defaults when unset."""
+    text = environ.get(ENV, "")
+    if not text:
+        return WatchdogConfig()
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{ENV}: not JSON ({exc})") from None
+    return from_dict(WatchdogConfig, data, "watchdog")
+
+
+class Watchdog:
+    """One per process (:func:`arm`); :func:`beat` marks progress."""
+
+    def __init__(self, cfg: WatchdogConfig, *, command: str, stream=None, clock=time.monotonic):
+        self.cfg, self.command, self.clock = cfg, command, clock
+        self.stream = stream if stream is not None else sys.stderr
+        self.who = f"pid {os.getpid()}"
+        self.phase, self.marks = "start-up", 0
+        self.last = clock()
+        self.slowest = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ marks
+    def beat(self, phase: str) -> None:
+        now = self.clock()
+        if self.marks:
+            self.slowest = max(self.slowest, now - self.last)
+        self.last, self.phase, self.marks = now, phase, self.marks + 1
+
+    def bound(self) -> float:
+        if not self.marks:
+            return self.cfg.start_s
+        return max(self.cfg.floor_s, self.cfg.factor * self.slowest)
+
+    def why_bound(self) -> str:
+        if not self.marks:
+            return f"start_s {self.cfg.start_s:g} s before the first progress"
+        return (f"max(floor_s {self.cfg.floor_s:g} s, factor {self.cfg.factor:g} x the slowest gap "
+                f"{self.slowest:.2f} s)")
+
+    def stalled_for(self) -> float | None:
+        """Seconds without progress when past the bound, else None."""
+        idle = self.clock() - self.last
+        return idle if idle > self.bound() else None
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> "Watchdog":
+        self._thread = threading.Thread(target=self._watch, name="chexflow-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        faulthandler.cancel_dump_traceback_later()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.bound() / 20)):
+            idle = self.stalled_for()
+            if idle is not None:
+                self.fire(idle)
+            # the backstop: dumps and exits should this thread not run again (a held interpreter lock)
+            faulthandler.dump_traceback_later(self.bound() - (self.clock() - self.last) + BACKSTOP_S,
+                                              exit=True, file=self.stream)
+
+    def fire(self, idle: float) -> None:
+        """Stacks, the workers' stacks, the workers stopped, one line, exit EXIT_STALLED."""
+        faulthandler.cancel_dump_traceback_later()
+        waiting = waiting_for(threading.main_thread())
+        line = (f"chexflow {self.command}: {self.who}: no progress for {idle:.0f} s in {self.phase} (bound "
+                f"{self.bound():.0f} s: {self.why_bound()}){f': {waiting}' if waiting else ''} (stacks above) "
+                f"({errors.REFUSALS['Stalled'].todo})")
+        try:
+            print(f"chexflow watchdog: {self.who}: every thread's stack, then the loader workers':",
+                  file=self.stream, flush=True)
+            faulthandler.dump_traceback(file=self.stream, all_threads=True)
+            stop_children()
+            print(line, file=self.stream, flush=True)
+            errors.record_exit(EXIT_STALLED, [line])
+        finally:
+            os._exit(EXIT_STALLED)
+
+
+def waiting_for(thread: threading.Thread) -> str:
+    """What ``thread`` waits for, from its stack: a DataLoader's worker (its pid), a collective."""
+    frame = sys._current_frames().get(thread.ident)
+    worker, collective = None, None
+    while frame is not None:
+        code, local = frame.f_code, frame.f_locals
+        if code.co_name in ("_next_data", "_get_data") and hasattr(local.get("self"), "_task_info"):
+            worker = worker or _awaited_worker(local["self"])
+        elif "chexflow/train/backends/" in code.co_filename.replace(os.sep, "/") and collective is None:
+            collective = f"collective {code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})"
+        frame = frame.f_back
+    return worker or collective or ""
+
+
+def _awaited_worker(it) -> str | None:
+    """The worker a torch ``_MultiProcessingDataLoaderIter`` waits for: its next batch's."""
+    try:
+        info = it._task_info.get(it._rcvd_idx)
+        if info is None or len(info) != 1:
+            return None
+        wid = info[0]
+        return f"waiting for loader worker pid {it._workers[wid].pid} (worker {wid} of {len(it._workers)})"
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
+def stop_children(grace_s: float = 1.0) -> None:
+    """Ask this process's descendants for their stacks (loader workers dump them), then kill them."""
+    import psutil
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    server = getattr(getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None),
+                     "_forkserver_pid", None)
+    for child in children:
+        if child.pid != server:
+            _signal(child, STACK_SIGNAL)
+    time.sleep(grace_s)
+    for child in children:
+        _signal(child, signal.SIGKILL)
+
+
+def _signal(proc, sig) -> None:
+    try:
+        proc.send_signal(sig)
+    except Exception:  # noqa: BLE001 - gone already, or not ours to signal: nothing left to stop
+        pass
+
+
+_ACTIVE: Watchdog | None = None
+
+
+def arm(command: str, cfg: WatchdogConfig | None = None) -> Watchdog | None:
+    """Start this process's watchdog (once; settings from :data:`ENV` unless given)."""
+    global _ACTIVE
+    cfg = config_from_env() if cfg is None else cfg
+    if _ACTIVE is None and cfg.enabled:
+        _ACTIVE = Watchdog(cfg, command=command).start()
+    return _ACTIVE
+
+
+def disarm() -> None:
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.stop()
+        _ACTIVE = None
+
+
+def beat(phase: str) -> None:
+    """Mark progress in ``phase`` (training, validation, checkpoint, verification, ...); nothing when
+    no watchdog is armed."""
+    if _ACTIVE is not None:
+        _ACTIVE.beat(phase)
+
+
+def name_process(who: str) -> None:
+    """How the line names this process (``rank 3``), once it is known."""
+    if _ACTIVE is not None:
+        _ACTIVE.who = who
