@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -307,14 +308,24 @@ def test_a_nodes_other_ranks_use_the_fresh_copies_without_reading_them(ds, tmp_p
     before = rchar()
     ST.verify_staged(mapped, local, start="job-1")        # the node's other ranks of this start
     assert rchar() - before <= stamp_size + SLACK
+    # a requeue on the same node (another start), seconds later, SETTLE_NS as it is: the copies carry
+    # the proof of the hash made while copying, so nothing is read, neither copy nor source
+    assert S.SETTLE_NS == 2_000_000_000
+    kept = S.StampStore(local, ds.manifest).load()
+    assert all(stamp.copied and not stamp.settled for stamp in kept.values())
     M.forget_verified()
     before = rchar()
-    ST.verify_staged(mapped, local, start="job-2")        # another start: the copies are too new to trust
-    assert rchar() - before >= ds.bytes
-    # a requeue on the same node, the copies older than the racy window: kept, nothing read
-    monkeypatch.setattr(S, "SETTLE_NS", 0)
-    ST.stage_shards(ds.shards, local, start="job-2")       # (stamps them settled)
-    M.forget_verified()
-    before = rchar()
-    ST.stage_shards(ds.shards, local, start="job-3")
+    ST.verify_staged(mapped, local, start="job-2")
     assert rchar() - before <= stamp_size + SLACK
+    M.forget_verified()
+    before = rchar()
+    assert [s.path for s in ST.stage_shards(ds.shards, local, start="job-3")] == [s.path for s in staged]
+    assert rchar() - before <= stamp_size + SLACK
+    # a copy changed in place (same size) after it was made is hashed and refused, the others are not read
+    victim = Path(staged[0].path)
+    data = bytearray(victim.read_bytes())
+    data[-1024] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    M.forget_verified()
+    with pytest.raises(M.ShardVerifyError, match=re.escape(staged[0].path)):
+        ST.verify_staged(mapped, local, start="job-4")

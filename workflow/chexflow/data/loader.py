@@ -18,9 +18,11 @@ from chexflow.data.manifest import ShardRef, checked_stamps, remember_checked, v
 from chexflow.data.shard_reader import decode, iter_shard
 
 
-def _read_run(run: WorkerRun, order: np.ndarray) -> Iterator[dict]:
+def _read_run(run: WorkerRun, order: np.ndarray, digests: dict[str, str | None]) -> Iterator[dict]:
     """The raw samples of ``run`` in ``order`` (indices into the run), from ``run.skip`` on. Samples
-    before that are passed over unread; at most the lookahead of ``order`` is held in memory."""
+    before that are passed over unread; at most the lookahead of ``order`` is held in memory. A shard
+    with a digest in ``digests`` is read whole and its samples come from the bytes that digest covers
+    (``shard_reader.iter_shard``): a change after its check is refused before any sample reaches a step."""
     wanted = order[run.skip:]
     need = np.zeros(run.samples, bool)
     need[wanted] = True
@@ -30,7 +32,8 @@ def _read_run(run: WorkerRun, order: np.ndarray) -> Iterator[dict]:
         for path, first, stop in run.pieces:
             idx = np.flatnonzero(need[start:start + stop - first])
             if len(idx):
-                yield from zip((idx + start).tolist(), iter_shard(path, keep=(idx + first).tolist()))
+                yield from zip((idx + start).tolist(), iter_shard(path, keep=(idx + first).tolist(),
+                                                                           sha256=digests.get(path)))
             start += stop - first
 
     pending, source = {}, read()
@@ -101,7 +104,8 @@ class ShardStream(IterableDataset):
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch, self.rank, run.index])
             order = buffer_order(run.samples, self.shuffle_buffer, rng)
-        return (decode(s) for s in _read_run(run, order))
+        digests = {s.path: s.sha256 for s in self.shards}
+        return (decode(s) for s in _read_run(run, order, digests))
 
 
 def _collate(batch):

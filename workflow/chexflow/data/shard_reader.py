@@ -2,6 +2,7 @@
 and the decoding of one sample into ``(uint8 image, target, SampleId)``."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from chexflow.data.manifest import ShardRef, verify_shards
+from chexflow.data.manifest import ShardRef, ShardVerifyError, verify_shards
 from chexflow.fsutil import open_regular
 
 
@@ -70,6 +71,22 @@ class ShardReadError(ValueError):
     """A shard is not a readable tar; the message names the file and the offset."""
 
 
+class ShardChangedError(ShardVerifyError):
+    """The bytes read from a shard for a step are not the bytes its manifest's sha256 covers."""
+
+
+def _verified_copy(fh, path: str, sha256: str) -> io.BytesIO:
+    """The whole shard read through the one descriptor ``fh``, hashed, and handed back in memory only
+    if its digest is the manifest's: the bytes parsed are then the bytes proven, whatever happens to
+    the file afterwards (a change in place keeping size, inode and mtime included)."""
+    data = fh.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise ShardChangedError(f"{path}: the bytes read have sha256 {digest}, its manifest says {sha256}: the "
+                                "shard changed after it was checked; none of its samples was used")
+    return io.BytesIO(data)
+
+
 _ZERO_BLOCK = bytes(512)
 
 
@@ -90,13 +107,14 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return out
 
 
-def _tar_members(fh, path: str) -> Iterator[tuple[str, int]]:
+def _tar_members(fh, path: str, end: int | None = None) -> Iterator[tuple[str, int]]:
     """``(name, size)`` of the regular files of an uncompressed tar (ustar, pax, GNU long names),
     read with one ``read`` per header: several times faster than ``tarfile``'s streaming mode for
     shards of many small members. While the caller holds an item, ``fh`` stands at the start of
     that member's bytes, which it may read; the next item seeks past them either way, so members
-    the caller does not want cost no I/O. Header checksums are verified."""
-    end = os.fstat(fh.fileno()).st_size
+    the caller does not want cost no I/O. Header checksums are verified. ``end``: the size of an
+    in-memory ``fh`` (a file's is its fstat)."""
+    end = os.fstat(fh.fileno()).st_size if end is None else end
     pending: dict[str, str] = {}
     offset = 0
     while True:
@@ -147,14 +165,18 @@ def _sample_key(name: str) -> tuple[str, str] | None:
     return name[:len(name) - len(base)] + stem, ext
 
 
-def iter_shard(path: str, keep: Collection[int] | None = None) -> Iterator[dict]:
+def iter_shard(path: str, keep: Collection[int] | None = None, sha256: str | None = None) -> Iterator[dict]:
     """The samples of one shard: dicts ``{"__key__", "__url__", "<ext>": bytes, ...}`` grouped by
     key, as ``webdataset``'s ``group_by_keys`` does. ``keep``: only the samples with these indices
     (0-based, stored order); the others are passed over unread, and reading stops after the last
-    kept one. Compressed shards (not written by chexflow) are read through ``webdataset``."""
+    kept one. ``sha256``: the whole shard is read once and its samples come from those bytes, none
+    before their digest is this one (``ShardChangedError`` otherwise). Compressed shards (not
+    written by chexflow) are read through ``webdataset``."""
     keep = None if keep is None else frozenset(keep)
     last = max(keep, default=-1) if keep is not None else None
-    with open_regular(path) as fh:
+    with open_regular(path) as opened:
+        fh = opened if sha256 is None else _verified_copy(opened, path, sha256)
+        end = None if sha256 is None else len(fh.getbuffer())
         magic = fh.read(6)
         fh.seek(0)
         if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
@@ -167,7 +189,7 @@ def iter_shard(path: str, keep: Collection[int] | None = None) -> Iterator[dict]
                     yield sample
         else:
             current, key_now, index = None, None, -1
-            for name, size in _tar_members(fh, path):
+            for name, size in _tar_members(fh, path, end):
                 parsed = _sample_key(name)
                 if parsed is None:
                     continue
