@@ -2,7 +2,6 @@
 and the decoding of one sample into ``(uint8 image, target, SampleId)``."""
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -13,6 +12,7 @@ import torch
 import webdataset as wds
 
 from chexflow.data.manifest import ShardRef, ShardVerifyError, verify_shards
+from chexflow.data.stamps import Stamp
 from chexflow.fsutil import open_regular
 
 
@@ -72,19 +72,7 @@ class ShardReadError(ValueError):
 
 
 class ShardChangedError(ShardVerifyError):
-    """The bytes read from a shard for a step are not the bytes its manifest's sha256 covers."""
-
-
-def _verified_copy(fh, path: str, sha256: str) -> io.BytesIO:
-    """The whole shard read through the one descriptor ``fh``, hashed, and handed back in memory only
-    if its digest is the manifest's: the bytes parsed are then the bytes proven, whatever happens to
-    the file afterwards (a change in place keeping size, inode and mtime included)."""
-    data = fh.read()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != sha256:
-        raise ShardChangedError(f"{path}: the bytes read have sha256 {digest}, its manifest says {sha256}: the "
-                                "shard changed after it was checked; none of its samples was used")
-    return io.BytesIO(data)
+    """A shard read for a step is not the file its check against the manifest's sha256 described."""
 
 
 _ZERO_BLOCK = bytes(512)
@@ -107,14 +95,13 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return out
 
 
-def _tar_members(fh, path: str, end: int | None = None) -> Iterator[tuple[str, int]]:
+def _tar_members(fh, path: str) -> Iterator[tuple[str, int]]:
     """``(name, size)`` of the regular files of an uncompressed tar (ustar, pax, GNU long names),
     read with one ``read`` per header: several times faster than ``tarfile``'s streaming mode for
     shards of many small members. While the caller holds an item, ``fh`` stands at the start of
     that member's bytes, which it may read; the next item seeks past them either way, so members
-    the caller does not want cost no I/O. Header checksums are verified. ``end``: the size of an
-    in-memory ``fh`` (a file's is its fstat)."""
-    end = os.fstat(fh.fileno()).st_size if end is None else end
+    the caller does not want cost no I/O. Header checksums are verified."""
+    end = os.fstat(fh.fileno()).st_size
     pending: dict[str, str] = {}
     offset = 0
     while True:
@@ -165,50 +152,72 @@ def _sample_key(name: str) -> tuple[str, str] | None:
     return name[:len(name) - len(base)] + stem, ext
 
 
-def iter_shard(path: str, keep: Collection[int] | None = None, sha256: str | None = None) -> Iterator[dict]:
+def iter_shard(path: str, keep: Collection[int] | None = None, checked: Stamp | None = None) -> Iterator[dict]:
     """The samples of one shard: dicts ``{"__key__", "__url__", "<ext>": bytes, ...}`` grouped by
     key, as ``webdataset``'s ``group_by_keys`` does. ``keep``: only the samples with these indices
     (0-based, stored order); the others are passed over unread, and reading stops after the last
-    kept one. ``sha256``: the whole shard is read once and its samples come from those bytes, none
-    before their digest is this one (``ShardChangedError`` otherwise). Compressed shards (not
-    written by chexflow) are read through ``webdataset``."""
+    kept one. Compressed shards (not written by chexflow) are read through ``webdataset``.
+
+    ``checked``: what the shard's check against its manifest's sha256 found
+    (``chexflow.data.manifest.verify_shard``). The shard is then read through one descriptor that
+    must describe that same file (inode, size, mtime, ctime) when it is opened and after the kept
+    samples are read, and the samples are released only then: the bytes used are the bytes the check
+    hashed (``chexflow.data.stamps``: no write leaves ctime as it was). ``ShardChangedError`` names a
+    shard changed since, before any of its samples is used."""
     keep = None if keep is None else frozenset(keep)
     last = max(keep, default=-1) if keep is not None else None
-    with open_regular(path) as opened:
-        fh = opened if sha256 is None else _verified_copy(opened, path, sha256)
-        end = None if sha256 is None else len(fh.getbuffer())
-        magic = fh.read(6)
-        fh.seek(0)
-        if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
-            files = ({**f, "__url__": path} for f in wds.tariterators.tar_file_iterator(fh))
-            index = -1
-            for index, sample in enumerate(wds.tariterators.group_by_keys(files)):
+    with open_regular(path) as fh:
+        if checked is None:
+            yield from _samples(fh, path, keep, last)
+            return
+        _unchanged_since(fh, path, checked)
+        samples = list(_samples(fh, path, keep, last))
+        _unchanged_since(fh, path, checked)
+    yield from samples
+
+
+def _unchanged_since(fh, path: str, checked: Stamp) -> None:
+    st = os.fstat(fh.fileno())
+    if not checked.describes(st, checked.sha256):
+        raise ShardChangedError(
+            f"{path}: changed after it was checked against its manifest's sha256 (inode {st.st_ino}, "
+            f"{st.st_size:,} bytes, ctime {st.st_ctime_ns} now; inode {checked.ino}, {checked.size:,} bytes, ctime "
+            f"{checked.ctime_ns} when checked); none of its samples was used. Restore or rebuild the shard")
+
+
+def _samples(fh, path: str, keep: frozenset | None, last: int | None) -> Iterator[dict]:
+    magic = fh.read(6)
+    fh.seek(0)
+    if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
+        files = ({**f, "__url__": path} for f in wds.tariterators.tar_file_iterator(fh))
+        index = -1
+        for index, sample in enumerate(wds.tariterators.group_by_keys(files)):
+            if last is not None and index > last:
+                return
+            if keep is None or index in keep:
+                yield sample
+    else:
+        current, key_now, index = None, None, -1
+        for name, size in _tar_members(fh, path):
+            parsed = _sample_key(name)
+            if parsed is None:
+                continue
+            key, ext = parsed
+            if key != key_now:
+                if current is not None:
+                    yield current
+                current, key_now, index = None, key, index + 1
                 if last is not None and index > last:
                     return
                 if keep is None or index in keep:
-                    yield sample
-        else:
-            current, key_now, index = None, None, -1
-            for name, size in _tar_members(fh, path, end):
-                parsed = _sample_key(name)
-                if parsed is None:
-                    continue
-                key, ext = parsed
-                if key != key_now:
-                    if current is not None:
-                        yield current
-                    current, key_now, index = None, key, index + 1
-                    if last is not None and index > last:
-                        return
-                    if keep is None or index in keep:
-                        current = {"__key__": key, "__url__": path}
-                if current is None:
-                    continue
-                if ext in current:
-                    raise ShardReadError(f"{path}: duplicate file {name!r} in sample {key!r}")
-                current[ext] = fh.read(size)
-            if current is not None:
-                yield current
+                    current = {"__key__": key, "__url__": path}
+            if current is None:
+                continue
+            if ext in current:
+                raise ShardReadError(f"{path}: duplicate file {name!r} in sample {key!r}")
+            current[ext] = fh.read(size)
+        if current is not None:
+            yield current
     if last is not None and index < last:
         raise ShardReadError(f"{path}: {index + 1} samples, but sample {last} was asked for "
                              "(the manifest's count for this shard is wrong)")
