@@ -139,6 +139,28 @@ def test_a_stamp_for_other_bytes_is_not_taken(ds, settled):
     assert done.hashed == 1 and done.hashed_bytes == os.path.getsize(first)
 
 
+def test_a_copied_stamp_is_kept_as_such_and_a_stamp_of_seven_fields_reads_as_not_copied(tmp_path):
+    """A stamp is stored as 8 fields, the 8th saying it was taken by the writer of a copy; the 7 fields
+    stamps were stored as before still load (not copied). A copied stamp vouches for a file described
+    the same way however recent, and for nothing described otherwise."""
+    store = S.StampStore(tmp_path / "store", tmp_path / "manifest.json")
+    now = 10 * S.SETTLE_NS
+    copied = S.Stamp("c" * 64, 5, 6, now, now, now, "job-1", True)
+    assert store.save({"/copy": copied})
+    body = json.loads(store.path.read_text())
+    assert body["shards"]["/copy"] == ["c" * 64, 5, 6, now, now, now, "job-1", True]
+    body["shards"]["/old"] = ["a" * 64, 1, 2, 3, 4, 5, "job-0"]
+    body["shards"]["/bad"] = ["a" * 64, 1, 2, 3, 4, 5, "job-0", "yes"]
+    store.path.write_text(json.dumps(body))
+    loaded = store.load()
+    assert loaded == {"/copy": copied, "/old": S.Stamp("a" * 64, 1, 2, 3, 4, 5, "job-0", False)}
+    same = type("St", (), {"st_ino": 5, "st_size": 6, "st_mtime_ns": now, "st_ctime_ns": now})()
+    assert not copied.settled and copied.vouches(same, "c" * 64, start="job-9")
+    moved = type("St", (), {"st_ino": 5, "st_size": 6, "st_mtime_ns": now, "st_ctime_ns": now + 1})()
+    assert not copied.vouches(moved, "c" * 64, start="job-9")
+    assert not S.Stamp("c" * 64, 5, 6, now, now, now, "job-1").vouches(same, "c" * 64, start="job-9")
+
+
 # --------------------------------------------------------------------------- a stamp store not to trust
 
 def _group_writable_store(ds):
