@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -136,6 +137,28 @@ def test_a_stamp_for_other_bytes_is_not_taken(ds, settled):
     ds.store.path.write_text(json.dumps(body))
     done, read = ds.check()
     assert done.hashed == 1 and done.hashed_bytes == os.path.getsize(first)
+
+
+def test_a_copied_stamp_is_kept_as_such_and_a_stamp_of_seven_fields_reads_as_not_copied(tmp_path):
+    """A stamp is stored as 8 fields, the 8th saying it was taken by the writer of a copy; the 7 fields
+    stamps were stored as before still load (not copied). A copied stamp vouches for a file described
+    the same way however recent, and for nothing described otherwise."""
+    store = S.StampStore(tmp_path / "store", tmp_path / "manifest.json")
+    now = 10 * S.SETTLE_NS
+    copied = S.Stamp("c" * 64, 5, 6, now, now, now, "job-1", True)
+    assert store.save({"/copy": copied})
+    body = json.loads(store.path.read_text())
+    assert body["shards"]["/copy"] == ["c" * 64, 5, 6, now, now, now, "job-1", True]
+    body["shards"]["/old"] = ["a" * 64, 1, 2, 3, 4, 5, "job-0"]
+    body["shards"]["/bad"] = ["a" * 64, 1, 2, 3, 4, 5, "job-0", "yes"]
+    store.path.write_text(json.dumps(body))
+    loaded = store.load()
+    assert loaded == {"/copy": copied, "/old": S.Stamp("a" * 64, 1, 2, 3, 4, 5, "job-0", False)}
+    same = type("St", (), {"st_ino": 5, "st_size": 6, "st_mtime_ns": now, "st_ctime_ns": now})()
+    assert not copied.settled and copied.vouches(same, "c" * 64, start="job-9")
+    moved = type("St", (), {"st_ino": 5, "st_size": 6, "st_mtime_ns": now, "st_ctime_ns": now + 1})()
+    assert not copied.vouches(moved, "c" * 64, start="job-9")
+    assert not S.Stamp("c" * 64, 5, 6, now, now, now, "job-1").vouches(same, "c" * 64, start="job-9")
 
 
 # --------------------------------------------------------------------------- a stamp store not to trust
@@ -307,14 +330,24 @@ def test_a_nodes_other_ranks_use_the_fresh_copies_without_reading_them(ds, tmp_p
     before = rchar()
     ST.verify_staged(mapped, local, start="job-1")        # the node's other ranks of this start
     assert rchar() - before <= stamp_size + SLACK
+    # a requeue on the same node (another start), seconds later, SETTLE_NS as it is: the copies carry
+    # the proof of the hash made while copying, so nothing is read, neither copy nor source
+    assert S.SETTLE_NS == 2_000_000_000
+    kept = S.StampStore(local, ds.manifest).load()
+    assert all(stamp.copied and not stamp.settled for stamp in kept.values())
     M.forget_verified()
     before = rchar()
-    ST.verify_staged(mapped, local, start="job-2")        # another start: the copies are too new to trust
-    assert rchar() - before >= ds.bytes
-    # a requeue on the same node, the copies older than the racy window: kept, nothing read
-    monkeypatch.setattr(S, "SETTLE_NS", 0)
-    ST.stage_shards(ds.shards, local, start="job-2")       # (stamps them settled)
-    M.forget_verified()
-    before = rchar()
-    ST.stage_shards(ds.shards, local, start="job-3")
+    ST.verify_staged(mapped, local, start="job-2")
     assert rchar() - before <= stamp_size + SLACK
+    M.forget_verified()
+    before = rchar()
+    assert [s.path for s in ST.stage_shards(ds.shards, local, start="job-3")] == [s.path for s in staged]
+    assert rchar() - before <= stamp_size + SLACK
+    # a copy changed in place (same size) after it was made is hashed and refused, the others are not read
+    victim = Path(staged[0].path)
+    data = bytearray(victim.read_bytes())
+    data[-1024] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    M.forget_verified()
+    with pytest.raises(M.ShardVerifyError, match=re.escape(staged[0].path)):
+        ST.verify_staged(mapped, local, start="job-4")

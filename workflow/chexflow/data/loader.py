@@ -14,13 +14,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from chexflow.data import workers as _workers
 from chexflow.data.epoch_plan import WorkerRun, buffer_order, plan_epoch
-from chexflow.data.manifest import ShardRef, checked_stamps, remember_checked, verify_shards
+from chexflow.data.manifest import ShardRef, checked_stamps, remember_checked, verify_shard, verify_shards
 from chexflow.data.shard_reader import decode, iter_shard
+from chexflow.data.stamps import Stamp
 
 
-def _read_run(run: WorkerRun, order: np.ndarray) -> Iterator[dict]:
+def _read_run(run: WorkerRun, order: np.ndarray, checked: dict[str, Stamp | None]) -> Iterator[dict]:
     """The raw samples of ``run`` in ``order`` (indices into the run), from ``run.skip`` on. Samples
-    before that are passed over unread; at most the lookahead of ``order`` is held in memory."""
+    before that are passed over unread; at most the lookahead of ``order`` and the kept samples of one
+    shard are held in memory. Each shard is read as ``checked`` says it was when checked
+    (``shard_reader.iter_shard``): one changed since is refused before any of its samples is used."""
     wanted = order[run.skip:]
     need = np.zeros(run.samples, bool)
     need[wanted] = True
@@ -30,7 +33,8 @@ def _read_run(run: WorkerRun, order: np.ndarray) -> Iterator[dict]:
         for path, first, stop in run.pieces:
             idx = np.flatnonzero(need[start:start + stop - first])
             if len(idx):
-                yield from zip((idx + start).tolist(), iter_shard(path, keep=(idx + first).tolist()))
+                yield from zip((idx + start).tolist(), iter_shard(path, keep=(idx + first).tolist(),
+                                                                           checked=checked.get(path)))
             start += stop - first
 
     pending, source = {}, read()
@@ -96,12 +100,12 @@ class ShardStream(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         run = self.plan(workers)[worker]
         reads = {path for path, _, _ in run.pieces}
-        verify_shards([s for s in self.shards if s.path in reads])
+        checked = {s.path: verify_shard(s) for s in self.shards if s.path in reads}
         order = np.arange(run.samples)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch, self.rank, run.index])
             order = buffer_order(run.samples, self.shuffle_buffer, rng)
-        return (decode(s) for s in _read_run(run, order))
+        return (decode(s) for s in _read_run(run, order, checked))
 
 
 def _collate(batch):

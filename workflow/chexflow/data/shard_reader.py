@@ -11,7 +11,8 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from chexflow.data.manifest import ShardRef, verify_shards
+from chexflow.data.manifest import ShardRef, ShardVerifyError, verify_shards
+from chexflow.data.stamps import Stamp
 from chexflow.fsutil import open_regular
 
 
@@ -68,6 +69,10 @@ def decode(sample: dict) -> tuple[torch.Tensor, torch.Tensor, SampleId]:
 
 class ShardReadError(ValueError):
     """A shard is not a readable tar; the message names the file and the offset."""
+
+
+class ShardChangedError(ShardVerifyError):
+    """A shard read for a step is not the file its check against the manifest's sha256 described."""
 
 
 _ZERO_BLOCK = bytes(512)
@@ -147,46 +152,72 @@ def _sample_key(name: str) -> tuple[str, str] | None:
     return name[:len(name) - len(base)] + stem, ext
 
 
-def iter_shard(path: str, keep: Collection[int] | None = None) -> Iterator[dict]:
+def iter_shard(path: str, keep: Collection[int] | None = None, checked: Stamp | None = None) -> Iterator[dict]:
     """The samples of one shard: dicts ``{"__key__", "__url__", "<ext>": bytes, ...}`` grouped by
     key, as ``webdataset``'s ``group_by_keys`` does. ``keep``: only the samples with these indices
     (0-based, stored order); the others are passed over unread, and reading stops after the last
-    kept one. Compressed shards (not written by chexflow) are read through ``webdataset``."""
+    kept one. Compressed shards (not written by chexflow) are read through ``webdataset``.
+
+    ``checked``: what the shard's check against its manifest's sha256 found
+    (``chexflow.data.manifest.verify_shard``). The shard is then read through one descriptor that
+    must describe that same file (inode, size, mtime, ctime) when it is opened and after the kept
+    samples are read, and the samples are released only then: the bytes used are the bytes the check
+    hashed (``chexflow.data.stamps``: no write leaves ctime as it was). ``ShardChangedError`` names a
+    shard changed since, before any of its samples is used."""
     keep = None if keep is None else frozenset(keep)
     last = max(keep, default=-1) if keep is not None else None
     with open_regular(path) as fh:
-        magic = fh.read(6)
-        fh.seek(0)
-        if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
-            files = ({**f, "__url__": path} for f in wds.tariterators.tar_file_iterator(fh))
-            index = -1
-            for index, sample in enumerate(wds.tariterators.group_by_keys(files)):
+        if checked is None:
+            yield from _samples(fh, path, keep, last)
+            return
+        _unchanged_since(fh, path, checked)
+        samples = list(_samples(fh, path, keep, last))
+        _unchanged_since(fh, path, checked)
+    yield from samples
+
+
+def _unchanged_since(fh, path: str, checked: Stamp) -> None:
+    st = os.fstat(fh.fileno())
+    if not checked.describes(st, checked.sha256):
+        raise ShardChangedError(
+            f"{path}: changed after it was checked against its manifest's sha256 (inode {st.st_ino}, "
+            f"{st.st_size:,} bytes, ctime {st.st_ctime_ns} now; inode {checked.ino}, {checked.size:,} bytes, ctime "
+            f"{checked.ctime_ns} when checked); none of its samples was used. Restore or rebuild the shard")
+
+
+def _samples(fh, path: str, keep: frozenset | None, last: int | None) -> Iterator[dict]:
+    magic = fh.read(6)
+    fh.seek(0)
+    if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
+        files = ({**f, "__url__": path} for f in wds.tariterators.tar_file_iterator(fh))
+        index = -1
+        for index, sample in enumerate(wds.tariterators.group_by_keys(files)):
+            if last is not None and index > last:
+                return
+            if keep is None or index in keep:
+                yield sample
+    else:
+        current, key_now, index = None, None, -1
+        for name, size in _tar_members(fh, path):
+            parsed = _sample_key(name)
+            if parsed is None:
+                continue
+            key, ext = parsed
+            if key != key_now:
+                if current is not None:
+                    yield current
+                current, key_now, index = None, key, index + 1
                 if last is not None and index > last:
                     return
                 if keep is None or index in keep:
-                    yield sample
-        else:
-            current, key_now, index = None, None, -1
-            for name, size in _tar_members(fh, path):
-                parsed = _sample_key(name)
-                if parsed is None:
-                    continue
-                key, ext = parsed
-                if key != key_now:
-                    if current is not None:
-                        yield current
-                    current, key_now, index = None, key, index + 1
-                    if last is not None and index > last:
-                        return
-                    if keep is None or index in keep:
-                        current = {"__key__": key, "__url__": path}
-                if current is None:
-                    continue
-                if ext in current:
-                    raise ShardReadError(f"{path}: duplicate file {name!r} in sample {key!r}")
-                current[ext] = fh.read(size)
-            if current is not None:
-                yield current
+                    current = {"__key__": key, "__url__": path}
+            if current is None:
+                continue
+            if ext in current:
+                raise ShardReadError(f"{path}: duplicate file {name!r} in sample {key!r}")
+            current[ext] = fh.read(size)
+        if current is not None:
+            yield current
     if last is not None and index < last:
         raise ShardReadError(f"{path}: {index + 1} samples, but sample {last} was asked for "
                              "(the manifest's count for this shard is wrong)")

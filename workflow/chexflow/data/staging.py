@@ -26,8 +26,9 @@ def stage_shards(shards: list[ShardRef], dest: Path, *, copy: bool = True, start
 
     A copy already there is kept when its stamp in ``dest`` vouches for it (nothing read) or, failing
     that, when it hashes right (a local read). The copies' stamps are written in ``dest``: they live
-    and die with the copies, and carry ``start`` (this start's token), so the node's other ranks of
-    this start use the fresh copies without reading them (:func:`verify_staged`).
+    and die with the copies, and are ``copied`` stamps (the hash made while copying), so the node's
+    other ranks of this start (:func:`verify_staged`) and a requeue on the same node use the copies
+    without reading them.
     ``copy=False`` only maps the paths: the other ranks of a node wait for the one that copies.
     """
     dest = Path(os.path.expandvars(str(dest)))
@@ -73,7 +74,10 @@ def _copy_checked(src: ShardRef, staged: ShardRef, start: str) -> Stamp | None:
     if src.sha256 is None:
         return None
     checked_ns = time.time_ns()
-    return Stamp.of(os.stat(staged.path, follow_symlinks=False), src.sha256, checked_ns=checked_ns, start=start)
+    # the proof of the hash made while copying: a later start trusts the copy by this stamp alone
+    # (chexflow.data.stamps: "copied"), with no local read
+    return Stamp.of(os.stat(staged.path, follow_symlinks=False), src.sha256, checked_ns=checked_ns, start=start,
+                    copied=True)
 
 
 def verify_staged(staged: list[ShardRef], dest: Path, *, start: str, log=print) -> None:

@@ -16,6 +16,12 @@ manifest wants. What that proves, and what it does not:
   ctime). A stamp taken on a newer file is trusted only within the start that took it (its
   ``start`` token), and the next start hashes the file again. This assumes the file system's
   clock (the file server's, on NFS or Lustre) and the node's agree within :data:`SETTLE_NS`.
+* A node-local copy (``chexflow.data.staging``) carries another proof: its stamp is ``copied``, taken
+  by the process that wrote it from bytes it hashed as they passed (the bytes written are the bytes
+  hashed), described right after it took its name. Its last change is that process's own write, so
+  a later start trusts it as soon as the file is described the same way, settled or not: a write
+  by someone else after the copy gets a later ctime, or a new inode, unless it lands in the same
+  timestamp tick as the copy's last write, on a file that had a private temporary name until then.
 * ``st_dev`` is left out: on network file systems it is the client's number for the mount and
   differs between nodes (and between boots); the real path stands for "which file system".
 * It does not prove the bytes on the disk are still good (media errors, a restore of a block
@@ -60,11 +66,12 @@ class Stamp:
     ctime_ns: int
     checked_ns: int         # the checker's wall clock (time.time_ns) when it took the description
     start: str = ""         # the start that checked it (trusted by that start even when not settled)
+    copied: bool = False    # written by the checker from the bytes it hashed (a node-local copy)
 
     @classmethod
-    def of(cls, st: os.stat_result, sha256: str, *, checked_ns: int, start: str = "") -> "Stamp":
+    def of(cls, st: os.stat_result, sha256: str, *, checked_ns: int, start: str = "", copied: bool = False) -> "Stamp":
         """The stamp of a file described by ``st`` (taken after ``checked_ns``) that had ``sha256``."""
-        return cls(sha256, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, checked_ns, start)
+        return cls(sha256, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, checked_ns, start, copied)
 
     def describes(self, st: os.stat_result, sha256: str) -> bool:
         """Whether the file described by ``st`` is described as when checked, and ``sha256`` is what was found."""
@@ -79,18 +86,20 @@ class Stamp:
     def vouches(self, st: os.stat_result, sha256: str, *, start: str = "") -> bool:
         """Whether this stamp lets a start (``start``) use the file described by ``st`` as having
         ``sha256`` without reading it."""
-        return self.describes(st, sha256) and (self.settled or bool(start) and self.start == start)
+        return self.describes(st, sha256) and (self.settled or self.copied or bool(start) and self.start == start)
 
 
 def _stamp(value: object) -> Stamp | None:
-    """A stamp from its stored form, or None when it is malformed."""
-    if not isinstance(value, list) or len(value) != 7:
+    """A stamp from its stored form (7 fields as written before copies were marked, or 8), or None
+    when it is malformed."""
+    if not isinstance(value, list) or len(value) not in (7, 8):
         return None
-    digest, *numbers, start = value
+    digest, *numbers, start = value[:7]
+    copied = value[7] if len(value) == 8 else False
     if not (isinstance(digest, str) and len(digest) == _SHA256_HEX and isinstance(start, str)
-            and all(type(n) is int and n >= 0 for n in numbers)):
+            and type(copied) is bool and all(type(n) is int and n >= 0 for n in numbers)):
         return None
-    return Stamp(digest, *numbers, start)
+    return Stamp(digest, *numbers, start, copied)
 
 
 def _trusted(st: os.stat_result, kind: Callable[[int], bool], what: str) -> str | None:
