@@ -17,7 +17,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from chexflow import host, watchdog
 from chexflow.data.loader import close_loader
@@ -35,7 +33,7 @@ from chexflow.settings import to_dict, write_yaml_atomic
 from chexflow.train import checkpoint as ckpt
 from chexflow.train import identity, lease, signals
 from chexflow.train.backends import Backend
-from chexflow.train.cadence import Cadence, Decision
+from chexflow.train.cadence import Cadence
 from chexflow.train.config import TrainConfig
 from chexflow.train.inputs import TrainData, check_inputs
 from chexflow.train.losses import task_loss
@@ -44,10 +42,9 @@ from chexflow.train.models import build_model, freeze_backbone, param_groups
 from chexflow.train.progress import STATE_KEYS, Progress
 from chexflow.train.schedule import build_optimizer, make_scheduler, scaled_lr, set_scheduler_step
 from chexflow.train.validation import validate
+from chexflow.train.epoch_report import (DIVERGED_MARKER, EXIT_DIVERGED, EXIT_PREEMPTED, Scalars, acknowledge,
+                                         epoch_sums, progress_bar)
 
-EXIT_PREEMPTED = 143   # after SIGTERM: checkpoint written, non-zero so the retry resumes
-EXIT_DIVERGED = 3      # the training loss became NaN/inf: no model is written (sweep trials record it)
-DIVERGED_MARKER = "diverged.json"   # in the output directory, when the loss became NaN/inf (step, epoch)
 EXIT_NO_VALID_EPOCH = 4  # no epoch ran, or none validated with a finite metric: no model is written
 EXIT_LEASE_HELD = lease.EXIT_LEASE_HELD   # 5: another trainer holds the checkpoint directory
 
@@ -292,7 +289,7 @@ class Trainer:
                       f"{self.steps_per_epoch} steps/epoch, {cfg.epochs} epochs, device {self.device}"
                       f"{', channels_last' if self.channels_last else ''}{', bf16' if self.bf16 else ''}"
                       f"{', compiled' if cfg.compile else ''}")
-        writer = self._tensorboard()
+        writer = Scalars(self.paths.tensorboard, stage=cfg.stage, root=backend.is_root)
         stream, pin = self.data.train_stream(), self.device.type == "cuda"
         # the loaders' workers are forked once and serve every epoch and every validation pass
         self.train_loader = self.data.loader(stream, pin_memory=pin)
@@ -333,7 +330,7 @@ class Trainer:
         if not complete:
             row["max_steps_stop"] = True
         _log(backend, json.dumps(row))
-        self._scalars(writer, prog.step, **{k: row[k] for k in ("train_loss", "val_loss", "val_metric",
+        writer.add(prog.step, **{k: row[k] for k in ("train_loss", "val_loss", "val_metric",
                                                                  "images_per_sec")})
         if not complete:
             prog.stopped = row
@@ -357,8 +354,8 @@ class Trainer:
         batches = iter(self.train_loader)                 # the workers start this epoch's pass (set above)
         watchdog.beat("training")
         self._train_mode(model)
-        loss_sum, n_loss, nonfinite = self._epoch_sums(prog)
-        bar, t0, start, code = self._progress_bar(prog), time.perf_counter(), prog.in_epoch, 0
+        loss_sum, n_loss, nonfinite = epoch_sums(prog, self.device)
+        bar, t0, start, code = progress_bar(prog, self.steps_per_epoch, self.cfg, self.backend.is_root), time.perf_counter(), prog.in_epoch, 0
         while self.cadence.more(prog.step, prog.in_epoch):
             loss = self.train_step(model, opt, batches, prog)
             sched.step()
@@ -372,11 +369,14 @@ class Trainer:
             if not self.cadence.check_due(prog.step, prog.in_epoch):
                 continue
             sig, bad = self._agree(nonfinite)             # the host sync, every check_every_steps steps
-            self._scalars(writer, prog.step, train_loss=float(loss), lr=sched.get_last_lr()[0])
+            writer.add(prog.step, train_loss=float(loss), lr=sched.get_last_lr()[0])
             act = self.cadence.decide(prog.step, prog.in_epoch, signal_received=sig, diverged=bool(bad))
             if act.save:
                 self._save(model, opt, sched, prog, partial=(loss_sum, n_loss))
-            code = self._acknowledge(act, sig, prog)
+            code = acknowledge(act, sig, prog, log=lambda m: _log(self.backend, m), stage=self.cfg.stage,
+                               out_dir=Path(self.paths.out_dir) if self.backend.is_root else None)
+            if sig and not code:
+                self.signals.received = 0       # acted on, training goes on
             if act.stop:    # every rank sees the same flags and leaves together (no hang in a collective)
                 break
         bar.close()
@@ -387,38 +387,6 @@ class Trainer:
         train_loss = float(self.backend.allreduce_mean((loss_sum / max(n_loss, 1)).reshape(1).cpu()).item())
         seen = (prog.in_epoch - start) * self.cfg.batch_size * self.bpps
         return 0, {"train_loss": train_loss, "seen": seen, "elapsed": elapsed, "partial": (loss_sum, n_loss)}
-
-    def _epoch_sums(self, prog: Progress) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """(loss sum, steps, any non-finite loss) of the epoch so far on the device (a resume's from its checkpoint)."""
-        loss_sum, n_loss = torch.zeros((), device=self.device), 0
-        if prog.in_epoch and prog.partial:
-            loss_sum += prog.partial["loss_sum"]
-            n_loss = prog.partial["n"]
-        return loss_sum, n_loss, torch.zeros((), dtype=torch.bool, device=self.device)
-
-    def _progress_bar(self, prog: Progress) -> tqdm:
-        return tqdm(total=self.steps_per_epoch, initial=prog.in_epoch, disable=not self.backend.is_root,
-                    desc=f"{self.cfg.stage} epoch {prog.epoch + 1}/{self.cfg.epochs}", mininterval=5, file=sys.stderr)
-
-    def _acknowledge(self, act: Decision, sig: int, prog: Progress) -> int:
-        """Say what a check found (the divergence marker, the signal acted on); the exit code of a stop, else 0."""
-        if act.stop == "diverged":
-            _log(self.backend, f"non-finite training loss by step {prog.step} (epoch {prog.epoch + 1}): diverged, "
-                               "no model written")
-            if self.backend.is_root:     # what a sweep trial records as its outcome
-                write_text_atomic(Path(self.paths.out_dir) / DIVERGED_MARKER,
-                                  json.dumps({"step": prog.step, "epoch": prog.epoch + 1, "stage": self.cfg.stage}))
-            return EXIT_DIVERGED
-        if not sig:
-            return 0
-        name = signal.Signals(sig).name
-        if act.stop:
-            _log(self.backend, f"{name} received: checkpoint written at step {prog.step}; exiting so a rerun "
-                               "resumes from it")
-            return EXIT_PREEMPTED
-        _log(self.backend, f"{name} received: checkpoint written at step {prog.step}; continuing")
-        self.signals.received = 0
-        return 0
 
     def train_step(self, model, opt, batches, prog: Progress) -> torch.Tensor:
         """One optimizer step (``bpps`` backward passes); returns the detached mean loss on the device."""
@@ -449,21 +417,6 @@ class Trainer:
         return int(flags[0].item()), int(flags[1].item())
 
     # ------------------------------------------------------------------ pieces
-    def _scalars(self, writer, step: int, **values: float) -> None:
-        """TensorBoard scalars of the stage at ``step`` (rank 0, when asked for)."""
-        if writer is not None:
-            for name, value in values.items():
-                writer.add_scalar(f"{self.cfg.stage}/{name}", value, step)
-
-    def _tensorboard(self):
-        if not self.backend.is_root or self.paths.tensorboard is None:
-            return None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-        return SummaryWriter(log_dir=str(self.paths.tensorboard))
-
     def _model_file(self, sd: dict, row: dict) -> dict:
         """The model file of the weights ``sd`` as validated in ``row`` (its epoch and validation metric)."""
         cfg = self.cfg
