@@ -259,3 +259,19 @@ def test_a_stall_in_this_process_is_one_line_a_stack_dump_and_exit_14(tmp_path):
     assert re.fullmatch(r"chexflow evaluate: pid \d+: no progress for \d+ s in evaluation \(bound \d+ s: max\(floor_s 2 s, "
                         r"factor 10 x the slowest gap 0\.\d\d s\)\) \(stacks above\) \(a stall: .*\)", last), last
     assert 'File "<string>", line 3 in <module>' in proc.stderr
+
+
+def test_time_a_process_spends_stopped_is_not_a_stall(tmp_path):
+    """SLURM suspends a job with SIGSTOP (`scontrol suspend`, gang scheduling): stopped for 8 s, past its
+    2 s bound, the process goes on when resumed and ends normally."""
+    code = ("import sys, time; from chexflow import watchdog\n"
+            "watchdog.arm('train', watchdog.WatchdogConfig(start_s=60, floor_s=2, factor=1))\n"
+            "print('ready', flush=True)\n"
+            "for _ in range(60):\n    watchdog.beat('training'); time.sleep(0.1)\n"
+            "print('done', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=cli_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(8)
+    os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=300) == 0 and proc.stdout.read() == "done\n"

@@ -18,10 +18,10 @@ what its main thread waits for: a loader worker's pid, a collective)::
 
 Snakemake's ``retries`` (profiles/slurm) resubmit the job and training resumes from its last
 checkpoint; a rank waiting in a collective for a rank that stopped ends the same way, and its
-launcher then stops the others. Should the watchdog's own thread be unable to run (a deadlock that
-holds the interpreter's lock), ``faulthandler``'s C-level timer, re-armed by that thread, dumps the
-stacks and exits (status 1) a minute later. Ground floor: imports nothing of chexflow but the
-refusals' table.
+launcher then stops the others. Time the whole process was stopped (``scontrol suspend``, SIGSTOP)
+is not time without progress. Not covered: a deadlock that holds the interpreter's lock, which no
+Python thread outlives (the job's time limit ends it). Ground floor: imports nothing of chexflow but
+the refusals' table and settings.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ from chexflow.settings import ConfigError, from_dict, setting
 
 ENV = "CHEXFLOW_WATCHDOG"          # the watchdog section of config.yaml, as JSON (set by rules/common.smk)
 EXIT_STALLED = errors.REFUSALS["Stalled"].code
-# the C-level backstop fires this long after the Python watchdog should have
-BACKSTOP_S = 60.0
+# a wake-up of the watchdog's thread this much later than due: the process was stopped meanwhile (SLURM
+# suspends a job with SIGSTOP), and that time is not counted as time without progress
+SUSPENDED_S = 5.0
 # asks a loader worker for every thread's stack (chexflow.data.workers registers it: faulthandler)
 STACK_SIGNAL = signal.SIGUSR2
 
@@ -118,20 +119,21 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.bound() / 20)):
+        awake = self.clock()
+        while not self._stop.wait(interval := min(1.0, self.bound() / 20)):
+            now = self.clock()
+            asleep = now - awake - interval
+            if asleep > SUSPENDED_S:     # the process was stopped (SIGSTOP, `scontrol suspend`): not a stall
+                self.last += asleep
+            awake = now
             idle = self.stalled_for()
             if idle is not None:
                 self.fire(idle)
-            # the backstop: dumps and exits should this thread not run again (a held interpreter lock)
-            faulthandler.dump_traceback_later(self.bound() - (self.clock() - self.last) + BACKSTOP_S,
-                                              exit=True, file=self.stream)
 
     def fire(self, idle: float) -> None:
         """Stacks, the workers' stacks, the workers stopped, one line, exit EXIT_STALLED."""
-        faulthandler.cancel_dump_traceback_later()
         waiting = waiting_for(threading.main_thread())
         line = (f"chexflow {self.command}: {self.who}: no progress for {idle:.0f} s in {self.phase} (bound "
                 f"{self.bound():.0f} s: {self.why_bound()}){f': {waiting}' if waiting else ''} (stacks above) "
