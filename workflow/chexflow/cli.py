@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from pathlib import Path
-from typing import NoReturn
 
 from chexflow import errors
 from chexflow.data.config import DemoReleaseConfig, ShardConfig, TableSpec
+from chexflow.data.stamps import verified_dir
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.predict.config import ExportConfig, PredictConfig
 from chexflow.settings import ConfigError, from_dict, load_stage_config
@@ -32,19 +31,6 @@ def _load(cls, args):
     if args.config is None and args.config_json is None:
         return cls()
     return load_stage_config(cls, path=args.config, text=args.config_json)
-
-
-def _verified_dir() -> Path | None:
-    """The folder of shard verification stamps (chexflow.data.stamps): ``$CHEXFLOW_VERIFIED_DIR``, else
-    the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``, usually on the shared home file system of a
-    cluster, so every node and every requeue sees it) ``/chexflow/verified``; ``off``: none kept."""
-    import os
-    chosen = os.environ.get("CHEXFLOW_VERIFIED_DIR")
-    if chosen is not None:
-        return None if chosen.strip().lower() in ("", "off", "none") else Path(chosen)
-    cache = os.environ.get("XDG_CACHE_HOME") or (os.path.join(os.environ["HOME"], ".cache") if os.environ.get("HOME")
-                                                 else None)
-    return Path(cache) / "chexflow" / "verified" if cache else None
 
 
 # --------------------------------------------------------------------------- stages
@@ -123,7 +109,7 @@ def cmd_train(args) -> None:
     from chexflow.train.trainer import TrainPaths
     cfg = _load(TrainConfig, args)
     outcome = start(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
-                                    pretrained=args.pretrained, tensorboard=args.tensorboard, verified=_verified_dir()))
+                                    pretrained=args.pretrained, tensorboard=args.tensorboard, verified=verified_dir()))
     if outcome.exit_code:
         sys.exit(outcome.exit_code)
 
@@ -171,7 +157,7 @@ def cmd_evaluate(args) -> None:
     cfg = _load(EvaluateConfig, args)
     res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir,
               expect_run_ids=_expected_run_ids(args), label_table=args.label_table, boxes=args.boxes,
-              box_frame=args.box_frame, heatmaps=not args.no_heatmaps, verified=_verified_dir())
+              box_frame=args.box_frame, heatmaps=not args.no_heatmaps, verified=verified_dir())
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
@@ -235,7 +221,7 @@ def cmd_scale_point(args) -> None:
     pretrain = _load(TrainConfig, args)
     study = load_stage_config(ScalingConfig, text=args.scaling_json)
     scaling.run_point(pretrain, study, world=args.world, manifest=args.manifest, out_dir=args.out_dir,
-                      job_threads=args.job_threads, verified=_verified_dir())
+                      job_threads=args.job_threads, verified=verified_dir())
 
 
 def cmd_scale_summary(args) -> None:
@@ -493,20 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         errors.record_exit(exc.code)
         raise
     except Exception as exc:  # noqa: BLE001 - sorted below: a refusal gets its line, anything else its traceback
-        _refuse(args.stage, exc, debug=errors.debug_requested(args.debug))
-
-
-def _refuse(command: str, exc: Exception, *, debug: bool) -> NoReturn:
-    """Exit as chexflow.errors says for ``exc`` (with ``debug``: its traceback first); re-raise a bug."""
-    refusal = errors.refusal_of(exc)
-    if refusal is None:
-        raise exc
-    if debug:
-        traceback.print_exception(exc)
-    lines = errors.refusal_lines(command, exc, refusal)
-    print("\n".join(lines), file=sys.stderr)
-    errors.record_exit(refusal.code, lines)
-    sys.exit(refusal.code)
+        errors.refuse(args.stage, exc, debug=errors.debug_requested(args.debug))
 
 
 if __name__ == "__main__":

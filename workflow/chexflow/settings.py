@@ -314,3 +314,27 @@ def normalize_numbers(data: Any, schema: dict, key: str = "") -> None:
 def _types(schema: dict) -> tuple[str, ...]:
     t = schema.get("type", ())
     return (t,) if isinstance(t, str) else tuple(t)
+
+
+class Problems:
+    """The problems found so far and the dotted keys they are about: a relation is checked only
+    between keys without a problem of their own, so that each bad value is reported once, by its key."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.bad: set[str] = set()
+
+    def add(self, key: str, message: str) -> None:
+        self.items.append(message)
+        self.bad.add(key)
+
+    def build(self, cls: type, data: Any, key: str) -> Any:
+        n = len(self.items)
+        out = build(cls, data, key, self.items)
+        for message in self.items[n:]:          # each message starts with its dotted key
+            self.bad.add(re.sub(r"\[\d+\]", "", message.split(":", 1)[0]))
+        return out
+
+    def ok(self, *keys: str) -> bool:
+        """No problem with any of ``keys``, with a section holding one, or with a key inside one."""
+        return not any(b == k or b.startswith(k + ".") or k.startswith(b + ".") for b in self.bad for k in keys)

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from chexflow.data.config import ShardConfig
 from chexflow.data.sources import RemoteFile, Source
 
+# the splits a split table assigns, in the order shards and manifests list them
+SPLITS = ("train", "val", "test")
+
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
