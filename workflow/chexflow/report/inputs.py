@@ -14,7 +14,7 @@ import pandas as pd
 from chexflow.evaluate.comparison_record import ComparisonRecordError, read_comparison
 from chexflow.evaluate.external_record import ExternalInputError, read_record
 from chexflow.evaluate.record import MetricsRecordError, PredictionsRecordError, read_metrics, read_predictions
-from chexflow.fsutil import open_regular
+from chexflow.fsutil import open_regular, read_json
 from chexflow.report.errors import ReportInputError
 from chexflow.report.templating import hms
 from chexflow.train.epochs import EpochsRecordError, read_epochs
@@ -75,15 +75,6 @@ def opened(path: Path, what: str) -> Iterator[BinaryIO]:
         yield fh
 
 
-def read_json(path: Path, what: str) -> Any:
-    path = Path(path)
-    try:
-        with opened(path, what) as fh:
-            return json.loads(fh.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReportInputError(f"{what} {path} is not valid JSON: {exc}") from exc
-
-
 def load_metrics_json(path: Path) -> dict[str, Any]:
     """The evaluation's metrics.json, read through its record (``chexflow.evaluate.record``: one
     format, the writer's), arranged for the views: per label ``ci_low``/``ci_high`` and the operating
@@ -139,7 +130,7 @@ def load_comparison(path: Path) -> dict[str, Any]:
 
 def load_manifest(path: Path, dataset: str) -> dict[str, Any]:
     """Shard manifest (``data/shards/<dataset>/manifest.json``)."""
-    data = read_json(path, f"manifest of dataset {dataset!r}")
+    data = read_json(path, ReportInputError, what=f"manifest of dataset {dataset!r}")
     if not isinstance(data, dict):
         raise ReportInputError(f"{path}: top level must be an object")
     for key in ("splits", "labels"):
