@@ -131,7 +131,7 @@ def _study(config: Mapping[str, Any], p: Problems) -> StudySection | None:
 
 def _datasets(config: Mapping[str, Any], p: Problems) -> tuple[dict[str, SourceConfig], dict[str, TableSpec]]:
     """``datasets.<name>``: the sources of the datasets chexflow knows, and the declarations of
-    CSV-described folders (``format: csv``), which are declared to the registry here."""
+    CSV-described folders (``format: csv``), which ``check_study`` then declares to the registry."""
     sources, tables = {}, {}
     for name, section in _section(config, "datasets", p).items():
         key = f"datasets.{name}"
@@ -155,7 +155,6 @@ def _datasets(config: Mapping[str, Any], p: Problems) -> tuple[dict[str, SourceC
         for extra in sorted(set(section or {}) - allowed):
             p.add(key, f"{key}.{extra}: not allowed here ({name} has {', '.join(sorted(allowed))})")
         sources[name] = p.build(SourceConfig, {k: v for k, v in (section or {}).items() if k in allowed}, key)
-    registry.declare(tables)
     return {n: s for n, s in sources.items() if s is not None}, tables
 
 
@@ -181,7 +180,7 @@ def _shards(config: Mapping[str, Any], sources: Mapping[str, SourceConfig], tabl
         key = f"shards.{name}"
         adapter = registry.adapters().get(name)
         if adapter is None:
-            p.add(key, f"{key}: unknown dataset; known: {', '.join(registry.NAMES)}")
+            p.add(key, f"{key}: unknown dataset; known: {', '.join(registry.adapters())}")
             continue
         section = _without(section or {}, shard_keys_excluded(name), key, p, _why_shard)
         source = sources.get(name)
@@ -236,7 +235,8 @@ def check_study(config: MutableMapping[str, Any]) -> Study:
     for name in REQUIRED:
         if name not in config:
             p.add(name, f"{name}: missing section")
-    sources, tables = _datasets(config, p)     # first: declares the CSV-described datasets
+    sources, tables = _datasets(config, p)
+    registry.declare(tables)        # this process's CSV-described datasets, before anything looks one up
     study = _study(config, p)
     releases = _releases(config, p)
     shards = _shards(config, sources, tables, p)
