@@ -27,6 +27,12 @@ def _add_config(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config-json", help="stage settings as a JSON string (what the rules pass)")
 
 
+def _add_paths(p: argparse.ArgumentParser, *flags: str, required: bool = True) -> None:
+    """Path arguments without a help of their own (their names say what they are)."""
+    for flag in flags:
+        p.add_argument(flag, type=Path, required=required, default=None)
+
+
 def _load(cls, args):
     if args.config is None and args.config_json is None:
         return cls()
@@ -305,15 +311,13 @@ def _data_commands(sub) -> None:
 
     p = sub.add_parser("split", help="patient-wise train/val/test assignment")
     _add_config(p)
-    p.add_argument("--raw", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    _add_paths(p, "--raw", "--out")
     p.set_defaults(func=cmd_split)
 
     p = sub.add_parser("shards", help="write the shards of one source archive")
     _add_config(p)
     p.add_argument("--part", required=True)
-    p.add_argument("--raw", type=Path, required=True)
-    p.add_argument("--splits", type=Path, required=True)
+    _add_paths(p, "--raw", "--splits")
     p.add_argument("--out", type=Path, required=True, help="directory of this part's shards")
     p.add_argument("--n-archives", type=int, default=None,
                    help="a generated release (nih_demo*): its number of archives, as configured")
@@ -334,11 +338,8 @@ def _train_commands(sub) -> None:
     """Training: one rank, the local launcher, the job log."""
     p = sub.add_parser("train", help="one rank of pretraining or fine-tuning (start via launch/srun)")
     _add_config(p)
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--ckpt-dir", type=Path, required=True)
-    p.add_argument("--pretrained", type=Path, default=None)
-    p.add_argument("--tensorboard", type=Path, default=None)
+    _add_paths(p, "--manifest", "--out-dir", "--ckpt-dir")
+    _add_paths(p, "--pretrained", "--tensorboard", required=False)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("launch", help="start N local ranks of a command (horovodrun / torchrun)")
@@ -357,9 +358,7 @@ def _model_commands(sub) -> None:
     """The fine-tuned model: evaluation on test, predict, export."""
     p = sub.add_parser("evaluate", help="test-set predictions, AUROC with bootstrap CIs")
     _add_config(p)
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
+    _add_paths(p, "--model", "--manifest", "--out-dir")
     p.add_argument("--train-config-json", default=None,
                    help="the training section (with stage, dataset) that should have produced the model: its run "
                         "id must be the model file's (the rules pass it; without it the run id is not checked)")
@@ -407,14 +406,11 @@ def _study_commands(sub) -> None:
     p.add_argument("--world", type=int, required=True, help="world size of this job")
     p.add_argument("--job-threads", type=int, default=None,
                    help="cores of the job on this node, shared by its ranks there")
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
+    _add_paths(p, "--manifest", "--out-dir")
     p.set_defaults(func=cmd_scale_point)
 
     p = sub.add_parser("scale-summary", help="scaling table (speedup, efficiency) and plot")
-    p.add_argument("--out-csv", type=Path, required=True)
-    p.add_argument("--out-json", type=Path, required=True)
-    p.add_argument("--out-plot", type=Path, required=True)
+    _add_paths(p, "--out-csv", "--out-json", "--out-plot")
     p.add_argument("points", type=Path, nargs="+", help="throughput.json of each world size")
     p.set_defaults(func=cmd_scale_summary)
 
@@ -424,14 +420,12 @@ def _study_commands(sub) -> None:
     p.add_argument("--trial", required=True, help="trial id (t000, t001, ...)")
     p.add_argument("--launcher", required=True, help="rank launcher: 'chexflow launch' or an srun line")
     p.add_argument("-n", "--ranks", type=int, required=True)
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--pretrained", type=Path, default=None)
-    p.add_argument("--out-dir", type=Path, required=True)
+    _add_paths(p, "--manifest", "--out-dir")
+    _add_paths(p, "--pretrained", required=False)
     p.set_defaults(func=cmd_sweep_trial)
 
     p = sub.add_parser("sweep-select", help="sweep table; the winner by validation metric")
-    p.add_argument("--out-csv", type=Path, required=True)
-    p.add_argument("--out-json", type=Path, required=True)
+    _add_paths(p, "--out-csv", "--out-json")
     p.add_argument("--out-model", type=Path, required=True, help="copy of the winner's model.pt")
     p.add_argument("results", type=Path, nargs="+", help="result.json of every trial")
     p.set_defaults(func=cmd_sweep_select)

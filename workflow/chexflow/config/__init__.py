@@ -16,18 +16,13 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from chexflow.config.study import ContainerConfig, Study, check_relations
+from chexflow.config.study import STUDY_SECTIONS, Study, check_relations
 from chexflow.data import csv_folder, registry
 from chexflow.data.config import DemoReleaseConfig, ShardConfig, SourceConfig, TableSpec
-from chexflow.evaluate.config import EvaluateConfig
-from chexflow.predict.config import ExportConfig, PredictConfig
 from chexflow.settings import ConfigError, Problems, build, dataclass_schema, normalize_numbers
-from chexflow.studies.config import AblationConfig, ScalingConfig, SweepConfig
 from chexflow.train import config as train_config
 from chexflow.train.config import STAGES, TrainConfig
 
-STUDY_SECTIONS = {"container": ContainerConfig, "evaluate": EvaluateConfig, "scaling": ScalingConfig,
-                  "sweep": SweepConfig, "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
 REQUIRED = ("study", "shards", "pretrain", "finetune")
 # ShardConfig fields the workflow sets: the dataset (the section's name), a pilot subset of the
 # archives (datasets.<name>.archives), a folder dataset's image folder and a CSV dataset's declaration
@@ -41,8 +36,6 @@ CSV_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 class StudySection:
     pretrain_dataset: str = "nih_demo_pretrain"
     finetune_dataset: str = "nih_demo"
-
-
 
 
 def stage_settings(config: Mapping[str, Any], stage: str, dataset: str, **overrides: Any) -> dict[str, Any]:

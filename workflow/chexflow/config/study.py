@@ -34,6 +34,9 @@ class ContainerConfig:
     image: str | None = None
 
 
+# config.yaml's sections beside the datasets, shards and training: each one setting object of the Study
+STUDY_SECTIONS = {"container": ContainerConfig, "evaluate": EvaluateConfig, "scaling": ScalingConfig,
+                  "sweep": SweepConfig, "ablation": AblationConfig, "predict": PredictConfig, "export": ExportConfig}
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,6 @@ class Study:
     def pretrained_used(self) -> bool:
         """Some fine-tuning run starts from the pretraining model (the main run, or the ablation's)."""
         return self.train["finetune"].init == "pretrained" or self.ablation.enabled
-
 
 
 def _crop_fits(key: str, crop: int, dataset: str, shards: Mapping[str, ShardConfig], p: Problems) -> None:
