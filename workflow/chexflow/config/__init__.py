@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from chexflow.config.study import STUDY_SECTIONS, Study, check_relations
+from chexflow.config.study import RELATIONS, STUDY_SECTIONS, Study
 from chexflow.data import csv_folder, registry
 from chexflow.data.config import DemoReleaseConfig, ShardConfig, SourceConfig, TableSpec
 from chexflow.settings import ConfigError, Problems, build, dataclass_schema, normalize_numbers
@@ -238,7 +238,8 @@ def check_study(config: MutableMapping[str, Any]) -> Study:
     if study is not None and all(v is not None for v in sections.values()):    # (None: not a mapping)
         s = Study(pretrain_dataset=study.pretrain_dataset, finetune_dataset=study.finetune_dataset,
                   sources=sources, tables=tables, releases=releases, shards=shards, train=train, **sections)
-        check_relations(s, p)
+        for relation in RELATIONS:
+            relation(s, p)
     if p.items:
         raise ConfigError(list(dict.fromkeys(p.items)))
     return s      # (no problem: every section was built)

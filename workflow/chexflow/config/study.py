@@ -1,6 +1,6 @@
 """The checked study: its dataclass and the relations between its settings.
 
-:func:`check_relations` is the second half of ``chexflow.config.check_study``: once each section is
+:data:`RELATIONS` are the second half of ``chexflow.config.check_study``: once each section is
 built, a crop against the stored image size, the fine-tuning's architecture against the pretraining's,
 an external dataset against the fine-tuning's findings, every sweep trial, ... Each relation is checked
 only between keys without a problem of their own (``Problems.ok``), so a bad value is reported once.
@@ -250,10 +250,6 @@ def _sweep_trials(s: Study) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
-def check_relations(s: Study, p: Problems) -> None:
-    """Every relation between the study's settings; each problem goes to ``p``."""
-    _train_relations(s, p)
-    _data_relations(s, p)
-    _folder_relations(s, p)
-    _external_relations(s, p)
-    _study_relations(s, p)
+
+# every relation between the study's settings, in the order their problems are listed (check_study runs them)
+RELATIONS = (_train_relations, _data_relations, _folder_relations, _external_relations, _study_relations)
