@@ -196,12 +196,10 @@ def read_text_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, foll
 
 
 def read_json(path: Path | str, error: Callable[[str], Exception], *, what: str, kind: str | None = None) -> Any:
-    """The JSON value in regular file ``path`` (:func:`read_text_regular`): every record's reader starts here.
-
-    A missing file, bytes that are not UTF-8 JSON and, given ``kind`` (the record with its article, e.g.
-    "a scaling point"), a value that is not an object are an ``error`` of one line naming the file:
-    ``<what> not found: <path>``, ``<path>: not <kind> (not valid JSON: ...)`` (without ``kind``:
-    ``<what> <path> is not valid JSON: ...``), ``<path>: not <kind> (a JSON list, not an object)``."""
+    """The JSON in regular file ``path``, where every record's reader starts: a missing file, bytes that are
+    not UTF-8 JSON and, given ``kind`` (e.g. "a scaling point"), a value that is not an object are an ``error``
+    naming the file (``<what> not found: <path>``, ``<path>: not <kind> (not valid JSON: ...)``, without
+    ``kind`` ``<what> <path> is not valid JSON: ...``, ``<path>: not <kind> (a JSON list, not an object)``)."""
     try:
         data = json.loads(read_text_regular(path, what=what))
     except FileNotFoundError as exc:

@@ -1,5 +1,4 @@
-"""``python -m chexflow.config``: config.yaml's JSON schema
-(``> workflow/chexflow/schemas/config.schema.yaml``; a test keeps that file in sync)."""
+"""config.yaml's JSON schema: ``python -m chexflow.config > workflow/chexflow/schemas/config.schema.yaml``."""
 import yaml
 
 from chexflow.config import study_schema

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from chexflow.data.config import ShardConfig
 from chexflow.data.sources import RemoteFile, Source
 
-# the splits a split table assigns, in the order shards and manifests list them
-SPLITS = ("train", "val", "test")
+SPLITS = ("train", "val", "test")       # what a split table assigns, in the order manifests list them
 
 if TYPE_CHECKING:
     import numpy as np

@@ -16,7 +16,6 @@ class ExternalInputError(ValueError):
 def read_record(path: Path) -> dict:
     """An external validation's ``metrics.json`` checked against what ``run`` writes (the report reads it
     so); anything else fails naming the file and the key."""
-    path = Path(path)
     data = read_json(path, ExternalInputError, what="external validation record", kind="an external validation record")
     for key, tp in (("dataset", str), ("findings", list), ("mean", dict), ("label_map", dict), ("bootstrap", dict),
                     ("n_images", int), ("n_patients", int)):

@@ -121,7 +121,6 @@ def _check_label(label: str, entry: Any, path: Path) -> None:
 def read_metrics(path: Path) -> dict[str, Any]:
     """``metrics.json`` checked against the evaluation's format (the record as written, numbers as
     float or None); anything else fails naming the file and the key."""
-    path = Path(path)
     data = read_json(path, MetricsRecordError, what="metrics.json", kind="an evaluation's metrics.json")
     for key in ("labels", "mean_auroc", "n_images", "n_patients", "bootstrap"):
         if key not in data:

@@ -174,7 +174,6 @@ def figure(df: pd.DataFrame):
 def read_point(path: Path) -> dict[str, Any]:
     """A world size's throughput.json as :func:`run_point` writes it (a regular file, a JSON object with a
     number for every measured column); anything else is a :class:`ScalingError` naming the file and key."""
-    path = Path(path)
     point = read_json(path, ScalingError, what="scaling point", kind="a scaling point")
     for key in MEASURED:
         if isinstance(point.get(key), bool) or not isinstance(point.get(key), (int, float)):

@@ -193,7 +193,6 @@ RESULT_KEYS = ("trial", "params", "status", "val_metric", "model")
 def read_result(path: Path) -> dict[str, Any]:
     """A trial's result.json as :func:`run_trial` writes it (a regular file, a JSON object with
     RESULT_KEYS); anything else is a :class:`SweepRecordError` naming the file and the key."""
-    path = Path(path)
     result = read_json(path, SweepRecordError, what="sweep trial result", kind="a sweep trial's result")
     missing = [k for k in RESULT_KEYS if k not in result]
     if missing or not isinstance(result["params"], dict):
