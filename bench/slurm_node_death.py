@@ -12,7 +12,7 @@ progress bar) and the step the requeued run resumed at.
 
 The pretraining section of WORKDIR/config.yaml gets another seed (a fresh run), checks every 2
 steps and a periodic checkpoint every ``--every-steps``; the kill comes ``--after`` seconds past the
-first periodic checkpoint. Results: BENCHMARKS.md (steps lost per fault; docs/benchmarks-log.md).
+first periodic checkpoint. Results: BENCHMARKS.md (steps lost per fault; bench/benchmarks-log.md).
 """
 from __future__ import annotations
 

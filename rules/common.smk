@@ -30,7 +30,7 @@ DEMO_RELEASES = {name: d.release_config for name, d in _registry.DATASETS.items(
 
 
 wildcard_constraints:
-    dataset="|".join(_registry.NAMES),
+    dataset="|".join(_registry.adapters()),
     demo="|".join(DEMO_RELEASES),
     part="[A-Za-z0-9_]+",
     file="[^/]+",

@@ -385,7 +385,7 @@ def test_generated_sections_follow_the_registry_and_removed_keys_stay_removed():
 
 PACKAGE = REPO / "workflow" / "chexflow"
 # where settings are declared and checked: a read there is no use of the setting
-DECLARING = {PACKAGE / "settings.py", PACKAGE / "config.py", *PACKAGE.glob("*/config.py")}
+DECLARING = {PACKAGE / "settings.py", *(PACKAGE / "config").glob("*.py"), *PACKAGE.glob("*/config.py")}
 WORKFLOW_FILES = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
 
 

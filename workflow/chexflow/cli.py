@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from pathlib import Path
-from typing import NoReturn
 
 from chexflow import errors, watchdog
 from chexflow.data.workers import worker_death
 from chexflow.data.config import DemoReleaseConfig, ShardConfig, TableSpec
+from chexflow.data.stamps import verified_dir
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.predict.config import ExportConfig, PredictConfig
 from chexflow.settings import ConfigError, from_dict, load_stage_config
@@ -29,23 +28,16 @@ def _add_config(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config-json", help="stage settings as a JSON string (what the rules pass)")
 
 
+def _add_paths(p: argparse.ArgumentParser, *flags: str, required: bool = True) -> None:
+    """Path arguments without a help of their own (their names say what they are)."""
+    for flag in flags:
+        p.add_argument(flag, type=Path, required=required, default=None)
+
+
 def _load(cls, args):
     if args.config is None and args.config_json is None:
         return cls()
     return load_stage_config(cls, path=args.config, text=args.config_json)
-
-
-def _verified_dir() -> Path | None:
-    """The folder of shard verification stamps (chexflow.data.stamps): ``$CHEXFLOW_VERIFIED_DIR``, else
-    the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``, usually on the shared home file system of a
-    cluster, so every node and every requeue sees it) ``/chexflow/verified``; ``off``: none kept."""
-    import os
-    chosen = os.environ.get("CHEXFLOW_VERIFIED_DIR")
-    if chosen is not None:
-        return None if chosen.strip().lower() in ("", "off", "none") else Path(chosen)
-    cache = os.environ.get("XDG_CACHE_HOME") or (os.path.join(os.environ["HOME"], ".cache") if os.environ.get("HOME")
-                                                 else None)
-    return Path(cache) / "chexflow" / "verified" if cache else None
 
 
 # --------------------------------------------------------------------------- stages
@@ -124,7 +116,7 @@ def cmd_train(args) -> None:
     from chexflow.train.trainer import TrainPaths
     cfg = _load(TrainConfig, args)
     outcome = start(cfg, TrainPaths(manifest=args.manifest, out_dir=args.out_dir, ckpt_dir=args.ckpt_dir,
-                                    pretrained=args.pretrained, tensorboard=args.tensorboard, verified=_verified_dir()))
+                                    pretrained=args.pretrained, tensorboard=args.tensorboard, verified=verified_dir()))
     if outcome.exit_code:
         sys.exit(outcome.exit_code)
 
@@ -172,7 +164,7 @@ def cmd_evaluate(args) -> None:
     cfg = _load(EvaluateConfig, args)
     res = run(cfg, model_path=args.model, manifest=args.manifest, out_dir=args.out_dir,
               expect_run_ids=_expected_run_ids(args), label_table=args.label_table, boxes=args.boxes,
-              box_frame=args.box_frame, heatmaps=not args.no_heatmaps, verified=_verified_dir())
+              box_frame=args.box_frame, heatmaps=not args.no_heatmaps, verified=verified_dir())
     print(f"mean AUROC {res['mean_auroc']:.4f} on {res['n_images']} test images")
 
 
@@ -236,7 +228,7 @@ def cmd_scale_point(args) -> None:
     pretrain = _load(TrainConfig, args)
     study = load_stage_config(ScalingConfig, text=args.scaling_json)
     scaling.run_point(pretrain, study, world=args.world, manifest=args.manifest, out_dir=args.out_dir,
-                      job_threads=args.job_threads, verified=_verified_dir())
+                      job_threads=args.job_threads, verified=verified_dir())
 
 
 def cmd_scale_summary(args) -> None:
@@ -320,15 +312,13 @@ def _data_commands(sub) -> None:
 
     p = sub.add_parser("split", help="patient-wise train/val/test assignment")
     _add_config(p)
-    p.add_argument("--raw", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    _add_paths(p, "--raw", "--out")
     p.set_defaults(func=cmd_split)
 
     p = sub.add_parser("shards", help="write the shards of one source archive")
     _add_config(p)
     p.add_argument("--part", required=True)
-    p.add_argument("--raw", type=Path, required=True)
-    p.add_argument("--splits", type=Path, required=True)
+    _add_paths(p, "--raw", "--splits")
     p.add_argument("--out", type=Path, required=True, help="directory of this part's shards")
     p.add_argument("--n-archives", type=int, default=None,
                    help="a generated release (nih_demo*): its number of archives, as configured")
@@ -349,11 +339,8 @@ def _train_commands(sub) -> None:
     """Training: one rank, the local launcher, the job log."""
     p = sub.add_parser("train", help="one rank of pretraining or fine-tuning (start via launch/srun)")
     _add_config(p)
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--ckpt-dir", type=Path, required=True)
-    p.add_argument("--pretrained", type=Path, default=None)
-    p.add_argument("--tensorboard", type=Path, default=None)
+    _add_paths(p, "--manifest", "--out-dir", "--ckpt-dir")
+    _add_paths(p, "--pretrained", "--tensorboard", required=False)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("launch", help="start N local ranks of a command (horovodrun / torchrun)")
@@ -372,9 +359,7 @@ def _model_commands(sub) -> None:
     """The fine-tuned model: evaluation on test, predict, export."""
     p = sub.add_parser("evaluate", help="test-set predictions, AUROC with bootstrap CIs")
     _add_config(p)
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
+    _add_paths(p, "--model", "--manifest", "--out-dir")
     p.add_argument("--train-config-json", default=None,
                    help="the training section (with stage, dataset) that should have produced the model: its run "
                         "id must be the model file's (the rules pass it; without it the run id is not checked)")
@@ -422,14 +407,11 @@ def _study_commands(sub) -> None:
     p.add_argument("--world", type=int, required=True, help="world size of this job")
     p.add_argument("--job-threads", type=int, default=None,
                    help="cores of the job on this node, shared by its ranks there")
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
+    _add_paths(p, "--manifest", "--out-dir")
     p.set_defaults(func=cmd_scale_point)
 
     p = sub.add_parser("scale-summary", help="scaling table (speedup, efficiency) and plot")
-    p.add_argument("--out-csv", type=Path, required=True)
-    p.add_argument("--out-json", type=Path, required=True)
-    p.add_argument("--out-plot", type=Path, required=True)
+    _add_paths(p, "--out-csv", "--out-json", "--out-plot")
     p.add_argument("points", type=Path, nargs="+", help="throughput.json of each world size")
     p.set_defaults(func=cmd_scale_summary)
 
@@ -439,14 +421,12 @@ def _study_commands(sub) -> None:
     p.add_argument("--trial", required=True, help="trial id (t000, t001, ...)")
     p.add_argument("--launcher", required=True, help="rank launcher: 'chexflow launch' or an srun line")
     p.add_argument("-n", "--ranks", type=int, required=True)
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--pretrained", type=Path, default=None)
-    p.add_argument("--out-dir", type=Path, required=True)
+    _add_paths(p, "--manifest", "--out-dir")
+    _add_paths(p, "--pretrained", required=False)
     p.set_defaults(func=cmd_sweep_trial)
 
     p = sub.add_parser("sweep-select", help="sweep table; the winner by validation metric")
-    p.add_argument("--out-csv", type=Path, required=True)
-    p.add_argument("--out-json", type=Path, required=True)
+    _add_paths(p, "--out-csv", "--out-json")
     p.add_argument("--out-model", type=Path, required=True, help="copy of the winner's model.pt")
     p.add_argument("results", type=Path, nargs="+", help="result.json of every trial")
     p.set_defaults(func=cmd_sweep_select)
@@ -500,22 +480,9 @@ def main(argv: list[str] | None = None) -> None:
         errors.record_exit(exc.code)
         raise
     except Exception as exc:  # noqa: BLE001 - sorted below: a refusal gets its line, anything else its traceback
-        _refuse(args.stage, worker_death(exc), debug=errors.debug_requested(args.debug))
+        errors.refuse(args.stage, worker_death(exc), debug=errors.debug_requested(args.debug))
     finally:
         watchdog.disarm()
-
-
-def _refuse(command: str, exc: Exception, *, debug: bool) -> NoReturn:
-    """Exit as chexflow.errors says for ``exc`` (with ``debug``: its traceback first); re-raise a bug."""
-    refusal = errors.refusal_of(exc)
-    if refusal is None:
-        raise exc
-    if debug:
-        traceback.print_exception(exc)
-    lines = errors.refusal_lines(command, exc, refusal)
-    print("\n".join(lines), file=sys.stderr)
-    errors.record_exit(refusal.code, lines)
-    sys.exit(refusal.code)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Every exception class chexflow raises for a problem with what it was given (a setting, a file, a
 download, the machine) is in :data:`REFUSALS`, by its name (the package's class names are unique:
 a test checks), with its exit code and what to do; a subclass that is not listed takes its nearest
-listed base's entry. ``chexflow <command>`` (``chexflow.cli.main``) turns one into
+listed base's entry. ``chexflow <command>`` (``chexflow.cli.main``, by :func:`refuse`) turns one into
 
     chexflow <command>: <file>: <what is wrong> (<what to do>)
 
@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from chexflow.fsutil import read_text_regular, write_text_atomic
 
@@ -186,3 +189,16 @@ def first_recorded_exit(where: Path | str) -> tuple[int, list[str]] | None:
             except (OSError, ValueError, KeyError, TypeError):
                 continue
     return min(found)[1:] if found else None
+
+
+def refuse(command: str, exc: Exception, *, debug: bool) -> NoReturn:
+    """Exit as :data:`REFUSALS` says for ``exc`` (with ``debug``: its traceback first); re-raise a bug."""
+    refusal = refusal_of(exc)
+    if refusal is None:
+        raise exc
+    if debug:
+        traceback.print_exception(exc)
+    lines = refusal_lines(command, exc, refusal)
+    print("\n".join(lines), file=sys.stderr)
+    record_exit(refusal.code, lines)
+    sys.exit(refusal.code)

@@ -6,18 +6,20 @@ The one place that knows how chexflow writes a file: every writer in the package
 :func:`sha256_file`. Every file chexflow reads goes through :func:`open_regular` (or
 :func:`read_regular`): a FIFO, a device, a socket or a directory under a file's name is refused
 before a byte is read (never blocking), a symbolic link is followed only where the caller says the
-user named the path, and a file larger than the reader's bound is refused unread.
+user named the path, and a file larger than the reader's bound is refused unread. Every JSON record
+is read by :func:`read_json`.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import secrets
 import stat
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 # The bound of a text file read whole (a JSON manifest, a label table, a list of files) where its
 # reader has no setting of its own: the largest chexflow writes or reads (ImageNet's part manifests,
@@ -191,3 +193,20 @@ def read_text_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, foll
                       what: str = "file") -> str:
     """:func:`read_regular` decoded as UTF-8 (``UnicodeDecodeError`` for a file that is not)."""
     return read_regular(path, max_bytes=max_bytes, follow_symlinks=follow_symlinks, what=what).decode("utf-8")
+
+
+def read_json(path: Path | str, error: Callable[[str], Exception], *, what: str, kind: str | None = None) -> Any:
+    """The JSON in regular file ``path``, where every record's reader starts: a missing file, bytes that are
+    not UTF-8 JSON and, given ``kind`` (e.g. "a scaling point"), a value that is not an object are an ``error``
+    naming the file (``<what> not found: <path>``, ``<path>: not <kind> (not valid JSON: ...)``, without
+    ``kind`` ``<what> <path> is not valid JSON: ...``, ``<path>: not <kind> (a JSON list, not an object)``)."""
+    try:
+        data = json.loads(read_text_regular(path, what=what))
+    except FileNotFoundError as exc:
+        raise error(f"{what} not found: {path}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: not {kind} (not valid JSON: {exc})" if kind else
+                    f"{what} {path} is not valid JSON: {exc}") from exc
+    if kind and not isinstance(data, dict):
+        raise error(f"{path}: not {kind} (a JSON {type(data).__name__}, not an object)")
+    return data

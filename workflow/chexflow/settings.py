@@ -99,6 +99,12 @@ class _Bad:
 BAD = _Bad()
 
 
+# a plain setting's type -> (what it accepts, what a problem says it expected); a bool is no integer
+_SCALARS = {bool: (lambda v: isinstance(v, bool), "true/false"),
+            int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+            str: (lambda v: isinstance(v, str), "a string")}
+
+
 def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -130,14 +136,10 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         return BAD if any(v is BAD for v in items.values()) else items
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, problems)
-    if tp is bool:
-        if not isinstance(value, bool):
-            problems.append(f"{key}: expected true/false, got {value!r}")
-            return BAD
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{key}: expected an integer, got {value!r}")
+    if tp in _SCALARS:
+        accepts, what = _SCALARS[tp]
+        if not accepts(value):
+            problems.append(f"{key}: expected {what}, got {value!r}")
             return BAD
         return value
     if tp is float:
@@ -149,11 +151,6 @@ def _convert(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             problems.append(f"{key}: expected a finite number, got {value!r}")
             return BAD
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            problems.append(f"{key}: expected a string, got {value!r}")
-            return BAD
-        return value
     return value
 
 
@@ -314,3 +311,27 @@ def normalize_numbers(data: Any, schema: dict, key: str = "") -> None:
 def _types(schema: dict) -> tuple[str, ...]:
     t = schema.get("type", ())
     return (t,) if isinstance(t, str) else tuple(t)
+
+
+class Problems:
+    """The problems found so far and the dotted keys they are about: a relation is checked only
+    between keys without a problem of their own, so that each bad value is reported once, by its key."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.bad: set[str] = set()
+
+    def add(self, key: str, message: str) -> None:
+        self.items.append(message)
+        self.bad.add(key)
+
+    def build(self, cls: type, data: Any, key: str) -> Any:
+        n = len(self.items)
+        out = build(cls, data, key, self.items)
+        for message in self.items[n:]:          # each message starts with its dotted key
+            self.bad.add(re.sub(r"\[\d+\]", "", message.split(":", 1)[0]))
+        return out
+
+    def ok(self, *keys: str) -> bool:
+        """No problem with any of ``keys``, with a section holding one, or with a key inside one."""
+        return not any(b == k or b.startswith(k + ".") or k.startswith(b + ".") for b in self.bad for k in keys)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from chexflow.data.config import ShardConfig
 from chexflow.data.sources import RemoteFile, Source
 
+SPLITS = ("train", "val", "test")       # what a split table assigns, in the order manifests list them
+
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd

@@ -6,9 +6,10 @@ from here. Adding a dataset is one module defining its adapter and one line belo
 docs/datasets.md, "Adding a dataset"). Imported by the Snakefile for every DAG it builds.
 
 Besides the datasets chexflow knows, a config declares CSV-described folders (``datasets.<name>`` with
-``format: csv``, ``chexflow.data.csv_folder``): :func:`declare` adds their adapters, made from their
-declarations, in each process that needs them (the Snakefile through ``chexflow.config.check_study``;
-a command through the declaration its rule hands it, ``ShardConfig.table``).
+``format: csv``, ``chexflow.data.csv_folder``): :func:`declare` makes their adapters, from their
+declarations, the process's :data:`DECLARED`, this module's one state, in each process that needs them
+(the Snakefile through ``chexflow.config.check_study``; a command through the declaration its rule
+hands it, ``ShardConfig.table``). :func:`adapters` and :func:`get` see both.
 """
 from __future__ import annotations
 
@@ -32,22 +33,20 @@ DATASETS: dict[str, Dataset] = {a.name: a for a in (
     imagenet.ADAPTER,
     chexpert.ADAPTER,
 )}
-DECLARED: dict[str, Dataset] = {}   # the CSV-described folders a config declares (declare)
-NAMES = tuple(DATASETS)             # every dataset of this process: the known ones, then the declared
+NAMES = tuple(DATASETS)             # the datasets chexflow knows (adapters(): the declared ones too)
+DECLARED: dict[str, Dataset] = {}   # the CSV-described folders this process declared (declare)
 
 
 def declare(tables: Mapping[str, TableSpec]) -> None:
     """Make ``tables`` (name -> declaration of a CSV-described folder) the declared datasets of this
     process, beside the known ones (an earlier declaration of another name is dropped). A name of a
     known dataset cannot be declared."""
-    global NAMES
     clash = sorted(set(tables) & set(DATASETS))
     if clash:
         raise UnknownSourceError(f"datasets.{clash[0]}: {clash[0]!r} is a dataset chexflow knows; a CSV-described "
                                  "folder needs a name of its own")
     DECLARED.clear()
     DECLARED.update({name: csv_folder.adapter(name, spec) for name, spec in tables.items()})
-    NAMES = (*DATASETS, *DECLARED)
 
 
 def adapters() -> dict[str, Dataset]:
@@ -60,7 +59,7 @@ def get(name: str) -> Dataset:
     try:
         return DATASETS.get(name) or DECLARED[name]
     except (KeyError, TypeError):
-        raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(NAMES)}") from None
+        raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(adapters())}") from None
 
 
 def get_source(name: str, *, n_archives: int | None = None) -> Source:
@@ -93,8 +92,8 @@ def load_test_registry(environ: Mapping[str, str] | None = None) -> dict[str, An
     if not isinstance(data, dict):
         raise sources.RegistryOverrideError(f"{path}: expected a JSON object {{source: {{files, content}}}}")
     for name, entry in data.items():
-        if name not in NAMES:
-            raise sources.RegistryOverrideError(f"{path}: unknown source {name!r}; known: {', '.join(NAMES)}")
+        if name not in adapters():
+            raise sources.RegistryOverrideError(f"{path}: unknown source {name!r}; known: {', '.join(adapters())}")
         if not isinstance(entry, dict) or set(entry) - {"files", "content"}:
             raise sources.RegistryOverrideError(f"{path}: {name}: expected an object with keys 'files' and/or "
                                                 "'content'")

@@ -44,10 +44,10 @@ from chexflow import watchdog
 from chexflow.data.config import ShardConfig
 from chexflow.settings import to_dict
 from chexflow.data import images, nih, registry
-from chexflow.data.dataset import DatasetInfo, ShardError
-from chexflow.fsutil import atomic_path, check_regular, read_regular, sha256_file, write_text_atomic
+from chexflow.data.dataset import SPLITS, DatasetInfo, ShardError
+from chexflow.data.part_progress import own_shard, resumable
+from chexflow.fsutil import atomic_path, read_regular, sha256_file, write_text_atomic
 
-SPLITS = ("train", "val", "test")
 # ShardConfig fields that do not change what a part's shards hold (thresholds checked afterwards,
 # the pilot subset, which only decides which parts exist)
 _KEY_EXCLUDED = ("max_reject_fraction", "max_missing_fraction", "archives")
@@ -255,51 +255,6 @@ def part_key(name: str, part: str, raw_dir: Path, splits_csv: Path, cfg: ShardCo
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def _resumable(out_dir: Path, key: str) -> tuple[list[dict], dict[str, dict]]:
-    """(finished shard records, decode rejects by image key) of an earlier attempt with the same
-    ``key``; the shards of an attempt with another key are deleted and logged. Per split, shards
-    are resumed up to the first one that is missing or no longer has its recorded checksum."""
-    progress_path = out_dir / "progress.json"
-    progress: dict = {}
-    if progress_path.exists():
-        try:
-            progress = json.loads(read_regular(progress_path, follow_symlinks=False))
-        except (OSError, ValueError) as exc:
-            print(f"{progress_path}: unreadable ({exc}); starting the part afresh", file=sys.stderr)
-        progress = progress if isinstance(progress, dict) else {}
-    records = progress.get("shards", [])
-    if progress.get("key") != key:
-        stale = sorted(p.name for split in SPLITS for p in out_dir.glob(f"{split}-*.tar"))
-        for fname in stale:
-            (out_dir / fname).unlink()
-        progress_path.unlink(missing_ok=True)
-        if stale:
-            was = "an attempt without a resume record" if "key" not in progress else f"key {progress['key'][:12]}"
-            print(f"{out_dir}: discarded {len(stale)} shard(s) of an earlier attempt written with other settings "
-                  f"or another copy of the input ({was}, now {key[:12]}): {stale[:5]}", file=sys.stderr)
-        return [], {}
-    done, broken = [], set()
-    for r in records:
-        path = out_dir / str(r["file"])
-        if r["split"] in broken or not _own_shard(out_dir, r["file"]) or sha256_file(path) != r["sha256"]:
-            broken.add(r["split"])
-            continue
-        done.append(r)
-    earlier = {r["image"]: r for r in progress.get("rejects", []) if r.get("stage") == "decode"}
-    return done, (earlier if done else {})
-
-
-def _own_shard(part_dir: Path, fname: object) -> bool:
-    """Whether ``fname`` (from a part's own record) names a regular file directly in ``part_dir``."""
-    if not isinstance(fname, str) or fname in ("", ".", "..") or "/" in fname or os.sep in fname:
-        return False
-    try:
-        check_regular(part_dir / fname, follow_symlinks=False)
-    except OSError:
-        return False
-    return True
-
-
 def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: Path,
                cfg: ShardConfig, *, n_archives: int | None = None, progress: bool = False) -> dict:
     """Write the shards of one source archive and its manifest; returns the manifest.
@@ -322,7 +277,7 @@ def write_part(name: str, part: str, raw_dir: Path, splits_csv: Path, out_dir: P
     splits = pd.read_csv(io.BytesIO(read_regular(splits_csv, what="split table")), dtype=str)
     listed = set(splits["image"])
     progress_path = out_dir / "progress.json"
-    done, earlier = _resumable(out_dir, key)
+    done, earlier = resumable(out_dir, key)
     log = PartLog(part, earlier=earlier)
     rejects = log.rejects
     skip = {s: None for s in SPLITS}
@@ -481,7 +436,7 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
         found.update(m.get("listed_found", []))
         part_names.append(m.get("part", mpath.parent.name))
         for sh in m["shards"]:
-            if not _own_shard(mpath.parent, sh["file"]):
+            if not own_shard(mpath.parent, sh["file"]):
                 raise ShardError(f"{mpath}: lists shard {sh['file']!r}, which is not a regular file in its folder")
             rel = os.path.relpath(mpath.parent / sh["file"], root)
             s = splits.setdefault(sh["split"], {"n_images": 0, "label_counts": Counter(), "shards": []})

@@ -188,3 +188,15 @@ class StampStore:
             self.log(f"verification stamps not written ({exc}): the next start hashes these shards again")
             return False
         return True
+
+
+def verified_dir() -> Path | None:
+    """The folder of this user's verification stamps: ``$CHEXFLOW_VERIFIED_DIR``, else
+    the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``, usually on the shared home file system of a
+    cluster, so every node and every requeue sees it) ``/chexflow/verified``; ``off``: none kept."""
+    chosen = os.environ.get("CHEXFLOW_VERIFIED_DIR")
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", "off", "none") else Path(chosen)
+    cache = os.environ.get("XDG_CACHE_HOME") or (os.path.join(os.environ["HOME"], ".cache") if os.environ.get("HOME")
+                                                 else None)
+    return Path(cache) / "chexflow" / "verified" if cache else None

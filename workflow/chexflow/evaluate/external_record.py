@@ -3,10 +3,9 @@
 report's environment has none)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from chexflow.fsutil import read_text_regular
+from chexflow.fsutil import read_json
 
 
 class ExternalInputError(ValueError):
@@ -17,15 +16,7 @@ class ExternalInputError(ValueError):
 def read_record(path: Path) -> dict:
     """An external validation's ``metrics.json`` checked against what ``run`` writes (the report reads it
     so); anything else fails naming the file and the key."""
-    path = Path(path)
-    try:
-        data = json.loads(read_text_regular(path, what="external validation record"))
-    except FileNotFoundError as exc:
-        raise ExternalInputError(f"external validation record not found: {path}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ExternalInputError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ExternalInputError(f"{path}: top level must be an object")
+    data = read_json(path, ExternalInputError, what="external validation record", kind="an external validation record")
     for key, tp in (("dataset", str), ("findings", list), ("mean", dict), ("label_map", dict), ("bootstrap", dict),
                     ("n_images", int), ("n_patients", int)):
         if not isinstance(data.get(key), tp):

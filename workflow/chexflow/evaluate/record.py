@@ -16,7 +16,6 @@ recorded with the split its threshold was chosen on (``operating_point_split``):
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -26,7 +25,7 @@ import pandas as pd
 
 from chexflow import host
 from chexflow.evaluate.metrics import operating_point, youden_threshold
-from chexflow.fsutil import atomic_path, open_regular, read_text_regular
+from chexflow.fsutil import atomic_path, open_regular, read_json
 
 Split = Literal["validation", "test"]
 SPLITS: tuple[Split, ...] = ("validation", "test")
@@ -122,15 +121,7 @@ def _check_label(label: str, entry: Any, path: Path) -> None:
 def read_metrics(path: Path) -> dict[str, Any]:
     """``metrics.json`` checked against the evaluation's format (the record as written, numbers as
     float or None); anything else fails naming the file and the key."""
-    path = Path(path)
-    try:
-        data = json.loads(read_text_regular(path, what="metrics.json"))
-    except FileNotFoundError as exc:
-        raise MetricsRecordError(f"metrics.json not found: {path}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetricsRecordError(f"metrics.json {path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise MetricsRecordError(f"{path}: top level must be an object")
+    data = read_json(path, MetricsRecordError, what="metrics.json", kind="an evaluation's metrics.json")
     for key in ("labels", "mean_auroc", "n_images", "n_patients", "bootstrap"):
         if key not in data:
             raise MetricsRecordError(f"{path}: missing key {key!r}")

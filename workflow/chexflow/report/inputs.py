@@ -7,14 +7,14 @@ import contextlib
 import json
 import math
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import pandas as pd
 
 from chexflow.evaluate.comparison_record import ComparisonRecordError, read_comparison
 from chexflow.evaluate.external_record import ExternalInputError, read_record
 from chexflow.evaluate.record import MetricsRecordError, PredictionsRecordError, read_metrics, read_predictions
-from chexflow.fsutil import open_regular
+from chexflow.fsutil import open_regular, read_json
 from chexflow.report.errors import ReportInputError
 from chexflow.report.templating import hms
 from chexflow.train.epochs import EpochsRecordError, read_epochs
@@ -75,23 +75,20 @@ def opened(path: Path, what: str) -> Iterator[BinaryIO]:
         yield fh
 
 
-def read_json(path: Path, what: str) -> Any:
-    path = Path(path)
+def _record(read: Callable[..., Any], path: Path, *args: Any) -> Any:
+    """What ``read`` (a record's one reader) makes of ``path``; its refusal is the report's (exit status 7)."""
     try:
-        with opened(path, what) as fh:
-            return json.loads(fh.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReportInputError(f"{what} {path} is not valid JSON: {exc}") from exc
+        return read(Path(path), *args)
+    except (MetricsRecordError, PredictionsRecordError, ExternalInputError, EpochsRecordError,
+            ComparisonRecordError) as exc:
+        raise ReportInputError(str(exc)) from exc
 
 
 def load_metrics_json(path: Path) -> dict[str, Any]:
     """The evaluation's metrics.json, read through its record (``chexflow.evaluate.record``: one
     format, the writer's), arranged for the views: per label ``ci_low``/``ci_high`` and the operating
     point evaluation chose with its split; ``raw_labels``: the record's entries as written."""
-    try:
-        data = read_metrics(Path(path))
-    except MetricsRecordError as exc:
-        raise ReportInputError(str(exc)) from exc
+    data = _record(read_metrics, path)
     labels = {label: {"auroc": e["auroc"], "n_pos": e.get("n_pos"), "n_neg": e.get("n_neg"),
                       "ci_low": (e["ci"] or [None, None])[0], "ci_high": (e["ci"] or [None, None])[1],
                       "operating_point": e.get("test_operating_point"),
@@ -115,31 +112,22 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
 
 def load_external(path: Path) -> dict[str, Any]:
     """An external validation's record (``chexflow.evaluate.external``)."""
-    try:
-        return read_record(Path(path))
-    except ExternalInputError as exc:
-        raise ReportInputError(str(exc)) from exc
+    return _record(read_record, path)
 
 
 def load_metrics_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
     """Per-epoch training metrics, read through the training's record (``chexflow.train.epochs``)."""
-    try:
-        return read_epochs(Path(path), what)
-    except EpochsRecordError as exc:
-        raise ReportInputError(str(exc)) from exc
+    return _record(read_epochs, path, what)
 
 
 def load_comparison(path: Path) -> dict[str, Any]:
     """The ablation's comparison, read through its record (``chexflow.evaluate.comparison_record``)."""
-    try:
-        return dict(read_comparison(Path(path)))
-    except ComparisonRecordError as exc:
-        raise ReportInputError(str(exc)) from exc
+    return dict(_record(read_comparison, path))
 
 
 def load_manifest(path: Path, dataset: str) -> dict[str, Any]:
     """Shard manifest (``data/shards/<dataset>/manifest.json``)."""
-    data = read_json(path, f"manifest of dataset {dataset!r}")
+    data = read_json(path, ReportInputError, what=f"manifest of dataset {dataset!r}")
     if not isinstance(data, dict):
         raise ReportInputError(f"{path}: top level must be an object")
     for key in ("splits", "labels"):
@@ -155,10 +143,7 @@ def load_manifest(path: Path, dataset: str) -> dict[str, Any]:
 
 def load_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
     """predictions.csv, read through the evaluation's record (``chexflow.evaluate.record``)."""
-    try:
-        return read_predictions(Path(path), labels)
-    except PredictionsRecordError as exc:
-        raise ReportInputError(str(exc)) from exc
+    return _record(read_predictions, path, labels)
 
 
 def load_benchmark(path: Path, stage: str) -> dict[str, Any]:

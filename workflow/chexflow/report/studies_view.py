@@ -7,9 +7,11 @@ from typing import Any
 
 import pandas as pd
 
+from chexflow.fsutil import read_json
 from chexflow.report import plots
+from chexflow.report.errors import ReportInputError
 from chexflow.report.inputs import (load_comparison, load_metrics_json, load_metrics_jsonl, png_data_uri, read_csv,
-                                    read_json, records)
+                                    records)
 from chexflow.report.run_view import training_view
 
 ARM_NAMES = {"pretrained": "Fine-tuned from the pretraining model", "random": "Fine-tuned from random init",
@@ -39,7 +41,7 @@ def _one_machine(df: pd.DataFrame) -> dict[str, Any] | None:
 
 def sweep_view(table_csv: Path, selection_json: Path, winner_metrics: Path | None) -> dict[str, Any]:
     df = read_csv(table_csv, "sweep table", ("trial", "status", "val_metric", "winner"))
-    selection = read_json(selection_json, "sweep selection")
+    selection = read_json(selection_json, ReportInputError, what="sweep selection")
     fixed = {"trial", "status", "val_metric", "val_metric_name", "best_epoch", "reason", "winner"}
     params = [c for c in df.columns if c not in fixed]
     test = load_metrics_json(Path(winner_metrics)) if winner_metrics else None

@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from chexflow.fsutil import atomic_path, read_text_regular, write_text_atomic
+from chexflow.fsutil import atomic_path, read_json, write_text_atomic
 from chexflow.studies.config import ScalingConfig
 from chexflow.train.config import TrainConfig
 
@@ -174,15 +174,7 @@ def figure(df: pd.DataFrame):
 def read_point(path: Path) -> dict[str, Any]:
     """A world size's throughput.json as :func:`run_point` writes it (a regular file, a JSON object with a
     number for every measured column); anything else is a :class:`ScalingError` naming the file and key."""
-    path = Path(path)
-    try:
-        point = json.loads(read_text_regular(path, what="scaling point"))
-    except FileNotFoundError as exc:
-        raise ScalingError(f"scaling point not found: {path}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ScalingError(f"{path}: not a scaling point (not valid JSON: {exc})") from exc
-    if not isinstance(point, dict):
-        raise ScalingError(f"{path}: not a scaling point (a JSON {type(point).__name__}, not an object)")
+    point = read_json(path, ScalingError, what="scaling point", kind="a scaling point")
     for key in MEASURED:
         if isinstance(point.get(key), bool) or not isinstance(point.get(key), (int, float)):
             raise ScalingError(f"{path}: {key} must be a number, got {point.get(key)!r}")

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chexflow.fsutil import atomic_path, read_text_regular, write_text_atomic
+from chexflow.fsutil import atomic_path, read_json, write_text_atomic
 from chexflow.settings import ConfigError, from_dict, write_yaml_atomic
 from chexflow.studies.config import SweepConfig
 from chexflow.train.config import TrainConfig
@@ -193,15 +193,7 @@ RESULT_KEYS = ("trial", "params", "status", "val_metric", "model")
 def read_result(path: Path) -> dict[str, Any]:
     """A trial's result.json as :func:`run_trial` writes it (a regular file, a JSON object with
     RESULT_KEYS); anything else is a :class:`SweepRecordError` naming the file and the key."""
-    path = Path(path)
-    try:
-        result = json.loads(read_text_regular(path, what="sweep trial result"))
-    except FileNotFoundError as exc:
-        raise SweepRecordError(f"sweep trial result not found: {path}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SweepRecordError(f"{path}: not a sweep trial's result (not valid JSON: {exc})") from exc
-    if not isinstance(result, dict):
-        raise SweepRecordError(f"{path}: not a sweep trial's result (a JSON {type(result).__name__}, not an object)")
+    result = read_json(path, SweepRecordError, what="sweep trial result", kind="a sweep trial's result")
     missing = [k for k in RESULT_KEYS if k not in result]
     if missing or not isinstance(result["params"], dict):
         raise SweepRecordError(f"{path}: not a sweep trial's result: " + (f"no {missing}" if missing else

@@ -30,6 +30,7 @@ import torch
 
 from chexflow import __version__, host as hosts
 from chexflow.fsutil import NotRegularFile, atomic_path, check_regular, open_regular
+from chexflow.train.progress import progress_problem
 from chexflow.train.weights import weights_problem
 
 _NAME = re.compile(r"^step-(\d{9})(?:-([0-9A-Za-z]+))?\.pt$")
@@ -278,34 +279,7 @@ def checkpoint_problem(state: Any, path: Path, run_id: str,
         return f"its weights do not fit this run's network: {problem}"
     if not isinstance(state["optimizer"], dict) or not isinstance(state["scheduler"], dict):
         return "its 'optimizer' or 'scheduler' entry is not a state dict"
-    return _progress_problem(state)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _progress_problem(state: dict) -> str | None:
-    """What the trainer restores besides tensors (history, best, partial epoch, max_steps stop), by shape."""
-    history = state.get("history", [])
-    if not isinstance(history, list) or not all(isinstance(r, dict) and _is_number(r.get("val_metric"))
-                                                for r in history):
-        return "its 'history' is not a list of validated epochs"
-    best = state.get("best", {"metric": 0.0, "epoch": -1})
-    if not isinstance(best, dict) or not _is_number(best.get("metric")) or not isinstance(best.get("epoch"), int):
-        return "its 'best' entry is not {metric, epoch}"
-    partial = state.get("partial")
-    if partial is not None and not (isinstance(partial, dict) and _is_number(partial.get("loss_sum"))
-                                    and isinstance(partial.get("n"), int)):
-        return "its 'partial' entry is not {loss_sum, n}"
-    stopped = state.get("stopped")
-    if stopped is not None and not (isinstance(stopped, dict) and isinstance(stopped.get("step"), int)
-                                    and _is_number(stopped.get("val_metric"))):
-        return "its 'stopped' entry is not a validation row"
-    world = state.get("world_size")
-    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
-        return f"world_size is {world!r}"
-    return None
+    return progress_problem(state)
 
 
 def set_aside(path: Path, reason: str, log: Callable[[str], None]) -> Path:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # the fields of a checkpoint that hold a run's progress (beside its weights, optimizer and LR schedule)
 STATE_KEYS = ("step", "epoch", "step_in_epoch", "history", "best", "partial", "stopped")
@@ -47,3 +48,31 @@ class Progress:
         self.in_epoch = min(samples_done // global_batch, steps_per_epoch)
         self.step = self.epoch * steps_per_epoch + self.in_epoch
         self.partial = None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def progress_problem(state: dict) -> str | None:
+    """Why a checkpoint's progress (``state``: history, best, partial epoch, max_steps stop, world size)
+    is not what :meth:`Progress.from_state` can restore, by shape; or None."""
+    history = state.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(r, dict) and _is_number(r.get("val_metric"))
+                                                for r in history):
+        return "its 'history' is not a list of validated epochs"
+    best = state.get("best", {"metric": 0.0, "epoch": -1})
+    if not isinstance(best, dict) or not _is_number(best.get("metric")) or not isinstance(best.get("epoch"), int):
+        return "its 'best' entry is not {metric, epoch}"
+    partial = state.get("partial")
+    if partial is not None and not (isinstance(partial, dict) and _is_number(partial.get("loss_sum"))
+                                    and isinstance(partial.get("n"), int)):
+        return "its 'partial' entry is not {loss_sum, n}"
+    stopped = state.get("stopped")
+    if stopped is not None and not (isinstance(stopped, dict) and isinstance(stopped.get("step"), int)
+                                    and _is_number(stopped.get("val_metric"))):
+        return "its 'stopped' entry is not a validation row"
+    world = state.get("world_size")
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        return f"world_size is {world!r}"
+    return None

@@ -51,7 +51,7 @@ def check_scores(y_true: np.ndarray, y_score: np.ndarray, labels: Sequence[str])
 def auroc_per_label(y_true: np.ndarray, y_score: np.ndarray, labels: Sequence[str]) -> dict[str, float | None]:
     """AUROC of each label column over its non-NaN rows; None when only one class is present."""
     # imported here: a training rank other than rank 0 never computes an AUROC (chexflow.train.validation)
-    # and skips scikit-learn's import, 1.7 CPU-s and 110 MiB a process (docs/benchmarks-log.md)
+    # and skips scikit-learn's import, 1.7 CPU-s and 110 MiB a process (bench/benchmarks-log.md)
     from sklearn.metrics import roc_auc_score
 
     y_true, y_score = check_scores(y_true, y_score, labels)
