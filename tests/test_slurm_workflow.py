@@ -17,6 +17,7 @@ phases named in the failure messages:
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -195,6 +197,54 @@ def _start_requeued_now(env, job: str) -> None:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
             return
         time.sleep(0.5)
+
+
+def _ranks(job: str) -> list[psutil.Process]:
+    """The training ranks of SLURM job ``job`` (the local cluster's nodes are this machine)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            name = proc.info["name"] or ""
+            rank = name == "chexflow" or name.startswith("python")      # (srun's line names the command too)
+            if rank and "train" in cmd and "--config-json" in cmd and "launch" not in cmd \
+                    and proc.environ().get("SLURM_JOB_ID") == job:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _paused(job: str, ranks: int = 2) -> list[psutil.Process]:
+    """SIGSTOP the job's ranks: they make no step until the test lets them go (a fault reached on
+    progress, not on the machine's speed)."""
+    deadline = time.time() + 60
+    while len(found := _ranks(job)) < ranks and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(found) == ranks, f"job {job}: ranks {found}"
+    for proc in found:
+        proc.send_signal(signal.SIGSTOP)
+    return found
+
+
+def _go_on_once_signalled(ranks: list[psutil.Process], sig: int, timeout: float = 120) -> None:
+    """SIGCONT the stopped ranks once SLURM's ``sig`` is pending in each (or SLURM woke them itself)."""
+    def pending(proc) -> bool:
+        try:
+            status = open(f"/proc/{proc.pid}/status").read()
+        except OSError:
+            return True
+        masks = re.findall(r"^(?:ShdPnd|SigPnd):\s*([0-9a-f]+)", status, re.M)
+        woke = re.search(r"^State:\s*([A-Z])", status, re.M).group(1) not in "T"
+        return woke or any(int(m, 16) >> (sig - 1) & 1 for m in masks)
+    deadline = time.time() + timeout
+    while not all(pending(p) for p in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    for proc in ranks:
+        try:
+            proc.send_signal(signal.SIGCONT)
+        except psutil.Error:
+            pass
 
 
 def _resumed_from(train_log: Path) -> list[int]:
@@ -376,13 +426,11 @@ def test_time_limit_then_node_failure_during_pretraining_resume_and_run_through_
        envs/setup.sh) then submits fine-tuning, evaluation and the report normally instead of
        `--exclude=None assigned`, and the report is made again."""
     cluster, work, cfg, cfgfile, _ = slurm_demo
-    # 8 epochs of 15 steps (120). SLURM checks time limits every 30 s, and the steps trained in between
-    # depend on the CPU: on host B, idle, the TIMEOUT came at step 74 (at most ~77: 5 steps, then two of
-    # SLURM's 30 s checks), fewer on a slower host (~30 on host D in CI). The retry resumes there and its
-    # node goes down after its next checkpoint (5 steps on), so ~35 steps are left for the attempt after
-    # the node failure on host B. That attempt trains the rest, whatever the host: each epoch fewer is
-    # 15 steps fewer of it (on host D, 10 epochs made it 160 of the SLURM jobs' 584 training CPU s).
-    epochs = 8
+    # 4 epochs of 15 steps (60). The ranks pause from each move of the job's end until SLURM's signal is
+    # there, so the SIGUSR1 and the SIGTERM checkpoints come a check (2 steps) after the first checkpoint
+    # (step 5) and after the SIGUSR1 one, on any host: the retry resumes near step 9, its node goes down
+    # after its next checkpoint (5 steps on), and the attempt after the node failure trains the ~45 left.
+    epochs = 4
     variant = _pretrain_variant(cfg, seed=11, epochs=epochs)
     variant["finetune"]["epochs"] = 1       # what follows pretraining runs again: its cheapest budget
     cfgfile.write_text(yaml.safe_dump(variant))
@@ -398,9 +446,15 @@ def test_time_limit_then_node_failure_during_pretraining_resume_and_run_through_
     t0 = time.time()
     proc, log = _start_snakemake(cluster, work, cfgfile, "--retries", "1", "--verbose", overlay=overlay)
     job = _job_mid_training(cluster, work, proc, log, "pretrain_model", "pretrain", t0)
+    # the ranks paused from each move of the end until SLURM's signal is there: the steps between are
+    # the few of one check, on any host (a fast one trained 104 of 120 steps before the TIMEOUT came)
+    ranks = _paused(job)
     subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now+4minutes"], env=cluster.env, check=True)
+    _go_on_once_signalled(ranks, signal.SIGUSR1)
     _newest_attempt_shows(work, "pretrain", r"SIGUSR1 received: checkpoint written at step \d+; continuing", proc)
+    ranks = _paused(job)
     subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now"], env=cluster.env, check=True)
+    _go_on_once_signalled(ranks, signal.SIGTERM)
     # the retry (another job): once it resumed and wrote a checkpoint of its own, one of its nodes goes down
     t1 = time.time()
     text = _newest_attempt_shows(work, "pretrain", r"resuming from \S+ at step \d+", proc, timeout=900,
@@ -513,3 +567,55 @@ def test_killed_snakemake_then_rerun_names_the_orphaned_job_and_never_doubles_it
     pretrain_jobs = [j for j in jobs if j.endswith("|rule_pretrain_model")]
     assert len(pretrain_jobs) == 3, pretrain_jobs       # the orphan, the hooks-off one, the resumed one
     assert not (work / "results/pretrain/checkpoints/lease.json").exists()
+
+
+# ------------------------------------------------------------------ a stall (issue 48)
+def _loader_worker(job: str) -> int | None:
+    """A loader worker of SLURM job ``job``: a child of a rank's fork server (chexflow.data.workers)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "forkserver" in " ".join(proc.info["cmdline"] or []) and proc.environ().get("SLURM_JOB_ID") == job \
+                    and "forkserver" in " ".join(proc.parent().cmdline()):
+                return proc.pid
+        except (psutil.Error, AttributeError):
+            continue
+    return None
+
+
+def test_a_stalled_training_job_is_ended_by_its_watchdog_resubmitted_and_the_workflow_reaches_the_report(
+        slurm_demo):
+    """A loader worker of fine-tuning stopped (SIGSTOP) after the job's first checkpoint: the job would
+    hold its nodes until the time limit. Its rank's watchdog ends it within its bound (exit 14, one line
+    naming the worker, the stacks in the log), the profile's retry resubmits it, it resumes from the
+    checkpoint, and the workflow runs through to the report unattended."""
+    cluster, work, cfg, cfgfile, _ = slurm_demo
+    variant = yaml.safe_load(cfgfile.read_text())      # the tests before left their pretraining: not run again
+    variant["finetune"]["seed"] = cfg["finetune"]["seed"] + 3          # a run of its own
+    variant["finetune"]["checkpoint"] = {"every_steps": 5}
+    variant["finetune"]["check_every_steps"] = 2
+    variant["watchdog"] = {"floor_s": 20, "factor": 10, "start_s": 600}
+    cfgfile.write_text(yaml.safe_dump(variant))
+    report = work / "results/report/chexflow_report.html"
+    report_mtime = report.stat().st_mtime
+    before = len(_attempt_logs(work, "finetune"))
+    t0 = time.time()
+    proc, log = _start_snakemake(cluster, work, cfgfile, "--retries", "1")
+    job = _job_mid_training(cluster, work, proc, log, "finetune_model", "finetune", t0)
+    deadline = time.time() + 60
+    while (worker := _loader_worker(job)) is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert worker, f"job {job}: no loader worker found"
+    os.kill(worker, signal.SIGSTOP)
+    assert proc.wait(timeout=1500) == 0, "stall: " + log.read_text()[-6000:]
+    attempts = _attempt_logs(work, "finetune")[before:]
+    assert len(attempts) == 2, f"stall: {attempts}"         # the stalled one, the resubmitted one
+    stalled, resumed = (p.read_text() for p in attempts)
+    assert re.search(rf"chexflow train: rank \d of 2 \(pid \d+\): no progress for \d+ s in (training|validation) "
+                     rf"\(bound \d+ s: .*\): waiting for loader worker pid {worker} ", stalled), stalled[-4000:]
+    assert "every thread's stack" in stalled and "Traceback (most recent call last)" not in stalled, stalled[-4000:]
+    code = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State,ExitCode"], env=cluster.env,
+                          capture_output=True, text=True).stdout.split()
+    assert code == ["FAILED|14:0"], f"stall: job {job} {code}"
+    assert _resumed_from(attempts[1]), "stall: the resubmitted job did not resume: " + resumed[-3000:]
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    assert report.stat().st_mtime > report_mtime, "stall: the report was not made again"
