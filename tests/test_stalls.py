@@ -219,10 +219,17 @@ def test_a_stopped_validation_worker_ends_the_job_within_its_bound(demo_manifest
 def test_a_stopped_rank_ends_the_job_within_the_bound_and_the_rerun_resumes(demo_manifest, tmp_path, backend):
     """Rank 1 stopped after the first checkpoint: rank 0 waits in a collective, its watchdog ends it
     (exit 14, the line naming the collective), the launcher stops the rest, and `chexflow launch`
-    exits 14; the rerun resumes from the checkpoint and finishes."""
-    cmd = train_cmd(demo_manifest, tmp_path, backend=backend, epochs=2, data={"workers": 0},
-                    checkpoint={"every_steps": 10})
-    launch = [sys.executable, "-m", "chexflow", "launch", "--backend", backend, "-n", "2", "--", *cmd]
+    exits 14; the rerun resumes from the checkpoint and finishes with the weights of an uninterrupted run."""
+    def launch_of(work):
+        cmd = train_cmd(demo_manifest, work, backend=backend, epochs=2, data={"workers": 0},
+                        checkpoint={"every_steps": 10})
+        return [sys.executable, "-m", "chexflow", "launch", "--backend", backend, "-n", "2", "--", *cmd]
+
+    ref = subprocess.run(launch_of(tmp_path / "ref"), env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
+    tmp_path = tmp_path / "run"
+    tmp_path.mkdir()
+    launch = launch_of(tmp_path)
 
     def rank_1(pid):
         if not ckpt.list_checkpoints(tmp_path / "ckpt"):
@@ -244,7 +251,8 @@ def test_a_stopped_rank_ends_the_job_within_the_bound_and_the_rerun_resumes(demo
     second = subprocess.run(launch, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     assert f"at step {step}" in second.stdout + second.stderr
-    assert (tmp_path / "out" / "model.pt").is_file()
+    a, b = _weights(tmp_path.parent / "ref" / "out" / "model.pt"), _weights(tmp_path / "out" / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_stall_in_this_process_is_one_line_a_stack_dump_and_exit_14(tmp_path):
