@@ -139,6 +139,10 @@ class CheXpert(Dataset):
         if len(dup):
             raise tables.TableError(f"{raw_dir}: image {dup.iloc[0]!r} is listed twice in train.csv/valid.csv "
                                     f"({len(dup)} such row(s))")
+        for table, t in ((TRAIN_CSV, train), (VALID_CSV, valid)):
+            line = tables.unread_ages(t["Age"], t["age"], t["_line"], raw_dir / table, "Age", self.name)
+            if line:
+                print(line)
         kept = tables.keep_views(both, cfg)
         if len(kept) < len(both):
             print(f"{self.name}: views: frontal leaves out {len(both) - len(kept)} lateral image(s)")
@@ -155,7 +159,8 @@ class CheXpert(Dataset):
                 part, "train", cfg.train_parts, self.name)]
         t = t[t["image"].isin(set(splits["image"]))].merge(splits[["image", "split"]], on="image")
         target = dict(zip(t["image"], t[list(LABELS)].to_numpy(np.float32)))
-        yield from tables.read_samples(t, cfg.images, Path(raw_dir) / name, cfg, report, target.__getitem__)
+        yield from tables.read_samples(t, cfg.images, Path(raw_dir) / name, cfg, report, target.__getitem__,
+                                       f"datasets.{self.name}.mirror")
 
     def decode(self, data: bytes, key: str, cfg: ShardConfig) -> np.ndarray:
         return tables.decode_any(data, key, cfg)

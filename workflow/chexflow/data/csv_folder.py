@@ -8,6 +8,9 @@ the folder) and the patient, one column per finding (1, 0, -1 uncertain, blank: 
 images are PNG, JPEG or DICOM, read as ``chexflow predict`` reads them. Without a split column the
 patients are carved: ``test_fraction`` of them for test, then ``val_fraction`` of the rest for
 validation (seeded); with one, its values must be train, val or test and a patient's rows all in one.
+A split column with train rows and no val (a hospital export rarely has one) gets its validation
+patients carved out of train (``val_fraction``, seeded), said in the split log and the manifest.
+Messages name the table as the declaration gives it (not its copy under ``data/raw/<name>/``).
 ``views: frontal`` needs the view column (a row without a view is refused: it could be a lateral
 image) and leaves the lateral rows out; ``views: all`` keeps every row.
 """
@@ -92,7 +95,8 @@ class CSVFolder(Dataset):
     def labelling(self, cfg: ShardConfig) -> dict | None:
         cols = self.spec.columns
         notes = [f"finding {f!r}: column {c!r} of {table_name(self.spec)}" for f, c in self.spec.findings.items()]
-        notes.append(f"split: column {cols.split!r}" if cols.split else
+        notes.append(f"split: column {cols.split!r} (without val rows: val_fraction {cfg.val_fraction:g} of the train "
+                     f"patients carved out, seed {cfg.split_seed})" if cols.split else
                      f"split: carved by patient (test_fraction {cfg.test_fraction:g}, val_fraction "
                      f"{cfg.val_fraction:g}, seed {cfg.split_seed})")
         return tables.labelling(self.findings, cfg, notes)
@@ -103,14 +107,19 @@ class CSVFolder(Dataset):
         return DatasetInfo(self.name, self.spec.title or self.name, "multilabel", self.findings, False,
                            f"{table_name(self.spec)}: {how}")
 
+    def shown(self, path: Path | str) -> str:
+        """The table as messages name it: the declaration's ``table`` (the user's file), else ``path``."""
+        return str(self.spec.table or path)
+
     def read(self, path: Path | str) -> tuple[pd.DataFrame, np.ndarray]:
         """The table checked (columns, image paths, observations): its rows as ``image``, ``patient``,
-        ``split`` ("" when carved), ``sex``, ``age``, ``view`` and ``_line``, and the findings'
-        observations (``tables.observations``)."""
+        ``split`` ("" when carved), ``sex``, ``age`` (and ``age_cell``), ``view`` and ``_line``, and the
+        findings' observations (``tables.observations``). Messages name the user's table (``shown``)."""
         cols = self.spec.columns
         optional = [c for c in (cols.sex, cols.age, cols.view, cols.split) if c]
         t = tables.read_table(path, [cols.image, cols.patient, *optional, *self.spec.findings.values()],
-                              what=f"table of {self.name}")
+                              what=f"table of {self.name}", shown=self.shown(path))
+        path = self.shown(path)
         obs = tables.observations(t, self.spec.findings, path, cols.image)
         image = tables.refuse_paths(t, cols.image, path)
         tables.refuse_rows(t[cols.patient] == "", t, path, cols.patient, "no patient", cols.image)
@@ -124,12 +133,14 @@ class CSVFolder(Dataset):
                              "sex": tables.sexes(t[cols.sex]) if cols.sex else blank,
                              "age": tables.ages(t[cols.age]) if cols.age else blank,
                              "view": tables.views(t[cols.view]) if cols.view else blank,
-                             "view_cell": t[cols.view] if cols.view else blank, "_line": t["_line"]})
+                             "view_cell": t[cols.view] if cols.view else blank, "_line": t["_line"],
+                             "age_cell": t[cols.age] if cols.age else blank})
         return rows, obs
 
     def _with_views(self, t: pd.DataFrame, path: Path, cfg: ShardConfig) -> pd.DataFrame:
         if cfg.views == "frontal":
-            tables.refuse_rows(t["view"] == "", t.rename(columns={"view_cell": self.spec.columns.view}), path,
+            tables.refuse_rows(t["view"] == "", t.rename(columns={"view_cell": self.spec.columns.view}),
+                               self.shown(path),
                                self.spec.columns.view, "{value!r} is no view (PA, AP or lateral): with views: "
                                "frontal a row of unknown view could be a lateral image", "image")
         return tables.keep_views(t, cfg)
@@ -137,8 +148,13 @@ class CSVFolder(Dataset):
     def split(self, raw_dir: Path, cfg: ShardConfig, *, expected: object = None) -> pd.DataFrame:
         path = Path(raw_dir) / table_name(self.spec)
         t, _ = self.read(path)
+        shown = self.shown(path)
+        if self.spec.columns.age and (line := tables.unread_ages(t["age_cell"], t["age"], t["_line"], shown,
+                                                                 self.spec.columns.age, self.name)):
+            print(line)
         if self.spec.columns.split:
-            tables.one_split_per_patient(t, path, "image")
+            tables.one_split_per_patient(t, shown, "image")
+            self._carve_val(t, shown, cfg)
         else:
             test = tables.carve(t["patient"], cfg.test_fraction, cfg.split_seed, stream=1)
             val = tables.carve(sorted(set(t["patient"]) - test), cfg.val_fraction, cfg.split_seed)
@@ -148,6 +164,23 @@ class CSVFolder(Dataset):
             print(f"{self.name}: views: frontal leaves out {len(t) - len(kept)} lateral image(s)")
         return tables.split_frame(kept, "image")
 
+    def _carve_val(self, t: pd.DataFrame, shown: str, cfg: ShardConfig) -> None:
+        """A split column with train rows and none for val: ``val_fraction`` of the train patients (seeded)
+        become val, said in the split log; one train patient cannot be split so (a ``TableError``)."""
+        if (t["split"] == "val").any() or not (t["split"] == "train").any():
+            return
+        train = sorted(set(t.loc[t["split"] == "train", "patient"]))
+        val = tables.carve(train, cfg.val_fraction, cfg.split_seed)
+        column = self.spec.columns.split
+        if not val or len(val) == len(train):
+            raise tables.TableError(f"{shown}: column {column!r} has no 'val' rows and its {len(train)} train "
+                                    f"patient(s) leave none to carve for validation (val_fraction {cfg.val_fraction:g}"
+                                    "): mark some patients val, or list more train patients")
+        t.loc[t["patient"].isin(val), "split"] = "val"
+        print(f"{self.name}: column {column!r} of {shown} has no 'val' rows: {len(val)} of {len(train)} train "
+              f"patients carved out for validation by patient (val_fraction {cfg.val_fraction:g}, "
+              f"split_seed {cfg.split_seed})")
+
     def samples(self, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
                 report: Report) -> Iterator[RawSample]:
         path = Path(raw_dir) / table_name(self.spec)
@@ -156,7 +189,8 @@ class CSVFolder(Dataset):
         t = t[tables.part_of(t["patient"], cfg.train_parts) == tables.part_number(part, "part", cfg.train_parts,
                                                                                   self.name)]
         t = t[t["image"].isin(set(splits["image"]))].drop(columns="split").merge(splits[["image", "split"]], on="image")
-        yield from tables.read_samples(t, cfg.images, path, cfg, report, target.__getitem__)
+        yield from tables.read_samples(t, cfg.images, self.shown(path), cfg, report, target.__getitem__,
+                                       f"datasets.{self.name}.images")
 
     def decode(self, data: bytes, key: str, cfg: ShardConfig) -> np.ndarray:
         return tables.decode_any(data, key, cfg)
