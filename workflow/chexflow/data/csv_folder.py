@@ -17,6 +17,8 @@ image) and leaves the lateral rows out; ``views: all`` keeps every row.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterator
@@ -28,6 +30,7 @@ from chexflow.data import tables
 from chexflow.data.config import ShardConfig, TableSpec
 from chexflow.data.dataset import Dataset, DatasetInfo, RawSample, Report
 from chexflow.data.sources import RemoteFile, Source
+from chexflow.fsutil import file_kind
 
 SPLIT_VALUES = ("train", "val", "test")
 
@@ -49,6 +52,25 @@ def spec_problems(spec: TableSpec, key: str) -> list[str]:
         out.append(f"{key}: column(s) {twice} named for more than one use")
     if spec.table and table_name(spec) in ("", ".", ".."):
         out.append(f"{key}.table: {spec.table!r} is not a file")
+    return out + file_problems(spec, key)
+
+
+def file_problems(spec: TableSpec, key: str) -> list[str]:
+    """The declared table must be a regular file and the image folder a folder, checked before any job
+    (``stat`` only: nothing is opened, so a FIFO cannot block), each problem naming the key and the path
+    as the user set them."""
+    out = []
+    for name, want, fits in (("table", "not a regular file", stat.S_ISREG), ("images", "not a folder", stat.S_ISDIR)):
+        value = getattr(spec, name)
+        if not value:
+            continue
+        try:
+            mode = os.stat(value).st_mode
+        except OSError as exc:
+            out.append(f"{key}.{name}: {value}: {exc.strerror or 'cannot be read'}")
+            continue
+        if not fits(mode):
+            out.append(f"{key}.{name}: {value}: {file_kind(mode)}, {want}")
     return out
 
 
