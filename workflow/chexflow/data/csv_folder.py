@@ -176,12 +176,13 @@ class CSVFolder(Dataset):
             print(line)
         if self.spec.columns.split:
             tables.one_split_per_patient(t, shown, "image")
-            self._carve_val(t, shown, cfg)
         else:
             test = tables.carve(t["patient"], cfg.test_fraction, cfg.split_seed, stream=1)
             val = tables.carve(sorted(set(t["patient"]) - test), cfg.val_fraction, cfg.split_seed)
             t["split"] = np.where(t["patient"].isin(test), "test", np.where(t["patient"].isin(val), "val", "train"))
-        kept = self._with_views(t, path, cfg)
+        kept = self._with_views(t, path, cfg).copy()
+        if self.spec.columns.split:      # of the images kept: a patient of laterals only validates nothing
+            self._carve_val(kept, shown, cfg)
         if len(kept) < len(t):
             print(f"{self.name}: views: frontal leaves out {len(t) - len(kept)} lateral image(s)")
         return tables.split_frame(kept, "image")
