@@ -94,7 +94,7 @@ def chain(tmp_path_factory, request):
         work.mkdir()
         shutil.copy(REPO / "config.yaml", work / "config.yaml")           # the checkout's, as a user has it
         (work / "example.yaml").write_text(yaml.safe_dump(example_with(table, images)))
-        proc = snakemake(work, "--configfile", str(work / "example.yaml"), "data/shards/hospital_b/manifest.json")
+        proc = snakemake(work, "data/shards/hospital_b/manifest.json", "--configfile", str(work / "example.yaml"))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         manifest = work / "data/shards/hospital_b/manifest.json"
         cfg = from_dict(TrainConfig, train_cfg("single", epochs=1, dataset="hospital_b", seed=1,

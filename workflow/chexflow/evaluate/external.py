@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -26,6 +27,7 @@ from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
 from chexflow.evaluate.metrics import independent_bootstrap_auroc_diff, positives
 from chexflow.evaluate.record import read_metrics, read_predictions, write_predictions
+from chexflow.evaluate.run import predict
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model
 
@@ -34,12 +36,19 @@ STATISTIC = ("drop = internal AUROC - external AUROC; 95% CI: percentile bootstr
              "internal set - resample k of the external set")
 
 
+class TestSet(NamedTuple):
+    """One test set's matched findings: targets and scores ``[N, pairs]`` (the label map's pairs, in order)
+    and each image's patient (the unit of the bootstraps)."""
+    targets: np.ndarray
+    scores: np.ndarray
+    patients: np.ndarray
+
+
 def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metrics: Path,
         internal_predictions: Path, out_dir: Path) -> dict:
     """Evaluate ``model_path`` on the test split of ``manifest`` against the internal test
     (``internal_metrics``, ``internal_predictions``, the evaluation of the same model) into ``out_dir``:
     ``metrics.json`` (the record), ``predictions.csv`` and ``auroc.csv``."""
-    from chexflow.evaluate.run import predict
     internal = read_metrics(Path(internal_metrics))
     model_labels = list(internal["labels"])
     model, info = load_model(model_path, expect={"task": "multilabel", "labels": model_labels,
@@ -55,14 +64,15 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
                                  f"model's {model_labels} (chexflow.data.labelmap)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    s, y, patients, images = predict(model, loader.split_shards(manifest, "test"), crop=info["crop"],
-                                     batch_size=cfg.batch_size, device=device)
+    scored = predict(model, loader.split_shards(manifest, "test"), crop=info["crop"], batch_size=cfg.batch_size,
+                     device=device)
+    patients, images = scored.patients, scored.images
     ours = [model_labels.index(a) for a, _ in found.pairs]
     theirs = [list(m["labels"]).index(b) for _, b in found.pairs]
-    ext = (y[:, theirs], s[:, ours], np.asarray(patients))
+    ext = TestSet(scored.targets[:, theirs], scored.scores[:, ours], np.asarray(patients))
     pred = read_predictions(Path(internal_predictions), model_labels)
-    inner = (pred[[a for a, _ in found.pairs]].to_numpy(float), pred[[f"{a}_score" for a, _ in found.pairs]]
-             .to_numpy(float), pred["patient"].astype(str).to_numpy())
+    inner = TestSet(pred[[a for a, _ in found.pairs]].to_numpy(float),
+                    pred[[f"{a}_score" for a, _ in found.pairs]].to_numpy(float), pred["patient"].astype(str).to_numpy())
     if len(pred) != internal["n_images"]:
         raise ExternalInputError(f"{internal_predictions}: {len(pred)} rows, but {internal_metrics} counts "
                                  f"{internal['n_images']} test images: not the same evaluation")
@@ -78,14 +88,14 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
 
 
 def _record(cfg: EvaluateConfig, m: dict, manifest: Path, found: labelmap.Match, stat: dict, internal: dict,
-            ext: tuple, inner: tuple, info: dict) -> dict:
+            ext: TestSet, inner: TestSet, info: dict) -> dict:
     findings = []
     for k, (ours, theirs) in enumerate(found.pairs):
         e = stat["labels"][ours]
         findings.append({
             "finding": ours, "external_label": theirs,
-            "internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner[0][:, k], inner[2])},
-            "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext[0][:, k], ext[2])},
+            "internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner.targets[:, k], inner.patients)},
+            "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext.targets[:, k], ext.patients)},
             "drop": {"diff": e["diff"], "ci": e["ci"], "p_le_0": e["p_le_0"],
                      "n_resamples_used": e["n_resamples_used"]}})
     return {"dataset": m.get("dataset"), "title": m.get("title"), "split_source": m.get("split_source"),
@@ -108,11 +118,11 @@ def _counts(y: np.ndarray, patients: np.ndarray) -> dict:
 
 
 def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: list[str], patients: list[str],
-                  ext: tuple) -> None:
+                  ext: TestSet) -> None:
     cols: dict = {"image": images, "patient": patients}
     for k, (ours, theirs) in enumerate(found.pairs):
-        cols[ours] = ext[0][:, k]
-        cols[f"{ours}_score"] = ext[1][:, k]
+        cols[ours] = ext.targets[:, k]
+        cols[f"{ours}_score"] = ext.scores[:, k]
     write_predictions(out_dir / "predictions.csv", pd.DataFrame(cols))
     rows = [{"finding": f["finding"], "external_label": f["external_label"],
              **{f"{side}_{k}": v for side in ("internal", "external")
