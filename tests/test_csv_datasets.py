@@ -93,7 +93,7 @@ def chain(tmp_path_factory, request):
         work = root / "work"
         work.mkdir()
         shutil.copy(REPO / "config.yaml", work / "config.yaml")           # the checkout's, as a user has it
-        (work / "example.yaml").write_text(yaml.safe_dump(example_with(table, images)))
+        (work / "example.yaml").write_text(yaml.safe_dump(example_with(table, images), sort_keys=False))
         proc = snakemake(work, "data/shards/hospital_b/manifest.json", "--configfile", str(work / "example.yaml"))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         manifest = work / "data/shards/hospital_b/manifest.json"
