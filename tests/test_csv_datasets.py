@@ -266,3 +266,40 @@ def test_config_yaml_carries_commented_chexpert_csv_and_external_examples(tmp_pa
     cfg["datasets"]["chexpert"]["mirror"] = str(make_chexpert(tmp_path / "cx", n_train=2, n_valid=1).root)
     study = C.check_study(cfg)
     assert study.evaluate.external == ("chexpert",) and study.tables["hospital_b"].findings == {"Effusion": "effusion"}
+
+
+def test_an_external_test_set_shards_its_test_split_only(tmp_path, capsys):
+    """A dataset only evaluate.external uses: CheXpert gets valid.csv's shard job alone, a CSV folder one
+    job, and the split keeps their test rows (what the external validation scores), nothing else."""
+    from folder_datasets import make_chexpert
+    mirror = make_chexpert(tmp_path / "cx", n_train=6, n_valid=3, lateral_every=100)
+    folder = make_csv_folder(tmp_path / "hb", n_patients=12)
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["datasets"].update(chexpert={"mirror": str(mirror.root)}, hosp=folder.declaration())
+    cfg["shards"].update(chexpert={"image_size": 32, "train_parts": 4}, hosp={"image_size": 32, "train_parts": 3})
+    cfg["evaluate"]["external"] = ["chexpert", "hosp"]
+    study = C.check_study(cfg)
+    chexpert_cfg, hosp_cfg = study.shards["chexpert"], study.shards["hosp"]
+    assert chexpert_cfg.test_only and hosp_cfg.test_only and C.folder_settings(study, "hosp")["test_only"]
+    assert registry.get("chexpert").parts(chexpert_cfg) == ["valid"]
+    assert registry.get("hosp").parts(hosp_cfg) == ["part_001"]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name in ("train.csv", "valid.csv"):
+        shutil.copy(mirror.root / name, raw / name)
+    split = registry.get("chexpert").split(raw, chexpert_cfg)
+    assert set(split["split"]) == {"test"} and len(split) == sum(r["Frontal/Lateral"] == "Frontal"
+                                                                  for r in mirror.rows["valid"])
+    split = registry.get("hosp").split(folder.table.parent, hosp_cfg)
+    test_rows = [r for r in folder.rows if r["subset"] == "test" and r["projection"] != "LL"]
+    assert sorted(split["image"]) == sorted(r["file"] for r in test_rows) and set(split["split"]) == {"test"}
+    assert "an external test set (evaluate.external)" in capsys.readouterr().out
+    cfg["shards"]["hosp"]["test_only"] = True                      # the workflow's to set, not the user's
+    with pytest.raises(ConfigError, match=r"shards\.hosp\.test_only: not allowed here \(set by the workflow"):
+        C.check_study(cfg)
+    cfg["shards"]["hosp"].pop("test_only")
+    cfg["evaluate"]["external"] = ["chexpert"]                     # fine-tuning data: every split sharded
+    cfg["study"]["finetune_dataset"] = "hosp"
+    study = C.check_study(cfg)
+    assert not study.shards["hosp"].test_only and registry.get("hosp").parts(study.shards["hosp"]) == [
+        "part_001", "part_002", "part_003"]

@@ -207,4 +207,5 @@ def test_docs_example_nih_then_external_validation_on_chexpert_plans(tmp_path):
     assert jobs["evaluate_external"] == 1 and jobs["render_report"] == 1
     assert "data/raw/chexpert/train.csv" in dry.stdout
     assert "data/shards/chexpert/parts/valid/manifest.json" in dry.stdout
+    assert "data/shards/chexpert/parts/train_" not in dry.stdout       # an external test set: valid.csv's job alone
     assert "results/external/chexpert/metrics.json" in dry.stdout

@@ -105,6 +105,9 @@ class ShardConfig:
     # folder datasets (chexpert, csv): set by the workflow from datasets.<name> (mirror / images, the table)
     images: str | None = None
     table: TableSpec | None = None
+    # set by the workflow for a folder dataset only evaluate.external uses: its split keeps the test rows,
+    # and only they are sharded (CheXpert: valid.csv's job alone; a CSV folder: one job)
+    test_only: bool = False
 
 
 @dataclass(frozen=True)

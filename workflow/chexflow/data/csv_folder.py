@@ -99,7 +99,12 @@ class CSVFolder(Dataset):
         return str(PurePosixPath(str(self.spec.table)).parent)
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
-        return tables.part_names("part", cfg.train_parts)
+        """``train_parts`` jobs by patient; one for an external test set (``test_only``: its test rows)."""
+        return tables.part_names("part", self._n_parts(cfg))
+
+    @staticmethod
+    def _n_parts(cfg: ShardConfig) -> int:
+        return 1 if cfg.test_only else cfg.train_parts
 
     def part_files(self, source: Source, part: str) -> list[RemoteFile]:
         return list(source.files)
@@ -181,10 +186,16 @@ class CSVFolder(Dataset):
             val = tables.carve(sorted(set(t["patient"]) - test), cfg.val_fraction, cfg.split_seed)
             t["split"] = np.where(t["patient"].isin(test), "test", np.where(t["patient"].isin(val), "val", "train"))
         kept = self._with_views(t, path, cfg).copy()
-        if self.spec.columns.split:      # of the images kept: a patient of laterals only validates nothing
+        if self.spec.columns.split and not cfg.test_only:   # of the images kept: laterals validate nothing
             self._carve_val(kept, shown, cfg)
         if len(kept) < len(t):
             print(f"{self.name}: views: frontal leaves out {len(t) - len(kept)} lateral image(s)")
+        if cfg.test_only and not (kept["split"] == "test").any():
+            raise tables.TableError(f"{shown}: no test image (evaluate.external scores a dataset's test split)")
+        if cfg.test_only:
+            print(f"{self.name}: an external test set (evaluate.external): its {int((kept['split'] == 'test').sum())} "
+                  f"test image(s) of {len(kept)} kept")
+            kept = kept[kept["split"] == "test"]
         return tables.split_frame(kept, "image")
 
     def _carve_val(self, t: pd.DataFrame, shown: str, cfg: ShardConfig) -> None:
@@ -209,8 +220,8 @@ class CSVFolder(Dataset):
         path = Path(raw_dir) / table_name(self.spec)
         t, obs = self.read(path)
         target = dict(zip(t["image"], tables.targets(obs, self.findings, cfg.uncertain, cfg.blank)))
-        t = t[tables.part_of(t["patient"], cfg.train_parts) == tables.part_number(part, "part", cfg.train_parts,
-                                                                                  self.name)]
+        n = self._n_parts(cfg)
+        t = t[tables.part_of(t["patient"], n) == tables.part_number(part, "part", n, self.name)]
         t = t[t["image"].isin(set(splits["image"]))].drop(columns="split").merge(splits[["image", "split"]], on="image")
         yield from tables.read_samples(t, cfg.images, self.shown(path), cfg, report, target.__getitem__,
                                        f"datasets.{self.name}.images")
