@@ -11,6 +11,10 @@ patient, so each is resampled on its own, as Zech et al. (PLOS Medicine 2018) co
 on its own hospital's and other hospitals' test sets. The internal CIs are those of the internal
 evaluation (the same resamples). Unknown labels (NaN, e.g. CheXpert's uncertain under ``ignore``) are
 left out of each finding's AUROC on that image.
+
+The external set gets the internal evaluation's audits of its matched findings, with the same functions and
+settings: each finding's calibration (beside the internal one, from the internal record) and, given the
+external set's label table, its AUROC by subgroup (sex, age band, view; ``evaluate.min_subgroup_count``).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import torch
 from chexflow.data import labelmap, loader
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
-from chexflow.evaluate.metrics import independent_bootstrap_auroc_diff, positives
+from chexflow.evaluate import subgroups
+from chexflow.evaluate.metrics import calibration, independent_bootstrap_auroc_diff, positives
 from chexflow.evaluate.record import read_metrics, read_predictions, write_predictions
 from chexflow.evaluate.run import predict
 from chexflow.fsutil import atomic_path, write_text_atomic
@@ -45,10 +50,11 @@ class TestSet(NamedTuple):
 
 
 def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metrics: Path,
-        internal_predictions: Path, out_dir: Path) -> dict:
+        internal_predictions: Path, out_dir: Path, label_table: Path | None = None) -> dict:
     """Evaluate ``model_path`` on the test split of ``manifest`` against the internal test
     (``internal_metrics``, ``internal_predictions``, the evaluation of the same model) into ``out_dir``:
-    ``metrics.json`` (the record), ``predictions.csv`` and ``auroc.csv``."""
+    ``metrics.json`` (the record), ``predictions.csv`` and ``auroc.csv``. ``label_table``: the external
+    set's table of sex, age and view (its split table, or NIH's label file) for the subgroup AUROCs."""
     internal = read_metrics(Path(internal_metrics))
     model_labels = list(internal["labels"])
     model, info = load_model(model_path, expect={"task": "multilabel", "labels": model_labels,
@@ -80,6 +86,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
     stat = independent_bootstrap_auroc_diff(inner, ext, names, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     result = _record(cfg, m, manifest, found, stat, internal, ext, inner, info)
     result.update(n_images=int(len(images)), n_patients=int(len(set(patients))))
+    _audit(cfg, result, ext, names, images, label_table)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tables(out_dir, result, found, images, patients, ext)
@@ -97,7 +104,8 @@ def _record(cfg: EvaluateConfig, m: dict, manifest: Path, found: labelmap.Match,
             "internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner.targets[:, k], inner.patients)},
             "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext.targets[:, k], ext.patients)},
             "drop": {"diff": e["diff"], "ci": e["ci"], "p_le_0": e["p_le_0"],
-                     "n_resamples_used": e["n_resamples_used"]}})
+                     "n_resamples_used": e["n_resamples_used"]},
+            "calibration": {"internal": (internal["labels"][ours] or {}).get("calibration")}})
     return {"dataset": m.get("dataset"), "title": m.get("title"), "split_source": m.get("split_source"),
             "synthetic": bool(m.get("synthetic")), "manifest": str(manifest), "labelling": m.get("labelling"),
             "model_run_id": info["run_id"],
@@ -109,6 +117,25 @@ def _record(cfg: EvaluateConfig, m: dict, manifest: Path, found: labelmap.Match,
                           "n_patients_internal": stat["n_patients_a"], "n_patients_external": stat["n_patients_b"],
                           "mean_rule": stat["rule"]},
             "statistic": STATISTIC}
+
+
+def _audit(cfg: EvaluateConfig, result: dict, ext: TestSet, names: list[str], images: list[str],
+           label_table: Path | None) -> None:
+    """The internal evaluation's calibration and subgroup audits on the external set's matched findings
+    (``evaluate.run``'s calls and settings), into ``result``: each finding's ``calibration`` beside the
+    internal one, and ``subgroups`` with a label table."""
+    for k, entry in enumerate(result["findings"]):
+        y = ext.targets[:, k]
+        known = ~np.isnan(y)
+        entry["calibration"]["external"] = (calibration(y, ext.scores[:, k], n_bins=cfg.calibration_bins)
+                                            if len(np.unique(y[known])) == 2 else None)
+    if label_table is not None:
+        fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
+        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_subgroup_count,
+                               "groups": subgroups.subgroup_aurocs(
+                                   ext.targets, ext.scores, ext.patients, names, fields, age_edges=cfg.age_bands,
+                                   min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples,
+                                   seed=cfg.seed)}
 
 
 def _counts(y: np.ndarray, patients: np.ndarray) -> dict:
