@@ -9,7 +9,8 @@ images are PNG, JPEG or DICOM, read as ``chexflow predict`` reads them. Without 
 patients are carved: ``test_fraction`` of them for test, then ``val_fraction`` of the rest for
 validation (seeded); with one, its values must be train, val or test and a patient's rows all in one.
 A split column with train rows and no val (a hospital export rarely has one) gets its validation
-patients carved out of train (``val_fraction``, seeded), said in the split log and the manifest.
+patients carved out of train (``val_fraction``, seeded), counted in the split log (the manifest's notes
+state the rule). A dataset only ``evaluate.external`` uses (``test_only``) keeps its test rows, one shard job.
 Messages name the table as the declaration gives it (not its copy under ``data/raw/<name>/``).
 ``views: frontal`` needs the view column (a row without a view is refused: it could be a lateral
 image) and leaves the lateral rows out; ``views: all`` keeps every row.
