@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 import torch
 
-from chexflow import watchdog
-from chexflow import host
+from chexflow import host, watchdog
 from chexflow.data import nih
 from chexflow.data.augment import gpu_augment
 from chexflow.data.loader import ShardStream, make_loader
@@ -38,7 +38,17 @@ from chexflow.train.config import TrainConfig
 from chexflow.train.models import ieee_fp32
 
 
-def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+class Scored(NamedTuple):
+    """A model's scores on a split's images: float ``[N, labels]`` sigmoid scores and targets (NaN unknown),
+    each image's patient and name, in the shards' order."""
+    scores: np.ndarray
+    targets: np.ndarray
+    patients: list[str]
+    images: list[str]
+
+
+def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> Scored:
+    """The model's scores on ``shards`` (evaluation's preprocessing: the crop, no augmentation)."""
     stream = ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
     batches = make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
     scores, targets, patients, images = [], [], [], []
@@ -51,7 +61,7 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
             targets.append(y.numpy().astype(np.float64))
             patients += [i.patient for i in ids]
             images += [i.image for i in ids]
-    return np.concatenate(scores), np.concatenate(targets), patients, images
+    return Scored(np.concatenate(scores), np.concatenate(targets), patients, images)
 
 
 def expected_run_ids(train_cfgs: list[TrainConfig], manifest: Path, pretrained: Path | None) -> set[str]:
@@ -109,8 +119,11 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     per_label = auroc_per_label(y, s, labels)
     boot = bootstrap_auroc(y, s, np.asarray(patients), labels, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     defined = [label for label in labels if per_label[label] is not None]
+    comparable = published_comparable(labels)
     result = {"labels": {}, "mean_auroc": mean_auroc(per_label), "mean_auroc_labels": defined,
-              "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
+              "published_comparable": comparable,
+              "chexnet_mean_same_labels": CHEXNET.mean_over(defined) if comparable else None,
+              "n_images": int(len(images)),
               "n_patients": int(len(set(patients))), "model": str(model_path), "model_run_id": info["run_id"],
               "model_run_id_checked": expect_run_ids is not None, "test_split": test_split,
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
@@ -125,11 +138,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
               "host": host.describe(), "training_host": info.get("host")}
     for j, label in enumerate(labels):
         result["labels"][label] = _label_entry(cfg, label, y[:, j], s[:, j], patients, val, j, per_label[label],
-                                               boot.get("labels", {}).get(label, {}).get("ci"))
-    if tuple(labels) != nih.LABELS:     # CheXNet's numbers are of ChestX-ray14's findings and test set
-        result["chexnet_mean_same_labels"] = None
-        for entry in result["labels"].values():
-            entry["chexnet"] = None
+                                               boot.get("labels", {}).get(label, {}).get("ci"), comparable)
 
     fields = None
     if label_table is not None:
@@ -157,18 +166,27 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
 
 # --------------------------------------------------------------------------- per finding
 
+def published_comparable(labels: list[str]) -> bool:
+    """Whether the published ChestX-ray14 numbers (CheXNet, Wang et al.) stand beside a model of ``labels``:
+    they are of NIH's 14 findings, so only a model of exactly those. Decided here, stored in the record
+    (``published_comparable``); the report reads it."""
+    return tuple(labels) == nih.LABELS
+
+
 def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray, patients: list[str],
-                 val: tuple, j: int, auroc: float | None, ci: list | None) -> LabelRecord:
-    """A finding's AUROC, CI, positives, AUPRC, calibration and its operating point (``record``)."""
+                 val: Scored, j: int, auroc: float | None, ci: list | None, comparable: bool) -> LabelRecord:
+    """A finding's AUROC, CI, positives, AUPRC, calibration and its operating point (``record``); CheXNet's
+    AUROC of it where the published numbers are ``comparable``."""
     known = ~np.isnan(yj)
     test_pos = positives(yj, patients)
     entry: LabelRecord = {"auroc": auroc, "n_pos": test_pos["images"], "n_neg": int((yj[known] == 0).sum()),
-                          "n_pos_patients": test_pos["patients"], "ci": ci, "chexnet": CHEXNET.get(label)}
+                          "n_pos_patients": test_pos["patients"], "ci": ci,
+                          "chexnet": CHEXNET.get(label) if comparable else None}
     if len(np.unique(yj[known])) == 2:
         pr = precision_recall(yj, sj)
         entry.update(auprc=pr["auprc"], prevalence=pr["prevalence"],
                      calibration=calibration(yj, sj, n_bins=cfg.calibration_bins))
-    vs, vy, vpatients = val[0][:, j], val[1][:, j], val[2]
+    vs, vy, vpatients = val.scores[:, j], val.targets[:, j], val.patients
     vknown = ~np.isnan(vy)
     vpos = positives(vy, vpatients)
     entry["val_positives"] = vpos["images"]
@@ -211,7 +229,7 @@ def _gallery_pairs(cfg: EvaluateConfig, labels: list[str], s: np.ndarray, y: np.
     return pairs
 
 
-def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: tuple, result: dict, *,
+def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: Scored, result: dict, *,
               manifest: Path, crop: int, stored: int, boxes: Path | None, box_frame: int | None, device) -> dict:
     """Grad-CAM of the gallery (top true/false positives) and of every test image with a reference box
     of a finding it is positive for; the pointing game and IoBB of the latter, per finding."""
@@ -265,7 +283,7 @@ _NO_HEATMAPS = {"summary": None, "scored": [], "gallery": [], "heat": {}, "input
 
 # --------------------------------------------------------------------------- files
 
-def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, heat: dict) -> None:
+def _write_tables(out_dir: Path, result: dict, labels: list[str], test: Scored, heat: dict) -> None:
     s, y, patients, images = test
     cols = {"image": images, "patient": patients}
     for j, label in enumerate(labels):
@@ -313,7 +331,7 @@ def _csv(path: Path, rows: list[dict], columns: tuple[str, ...] | None = None) -
         pd.DataFrame(rows, columns=list(columns) if columns else None).to_csv(tmp, index=False, float_format="%.6g")
 
 
-def _write_gallery(path: Path, heat: dict, labels: list[str], test: tuple) -> None:
+def _write_gallery(path: Path, heat: dict, labels: list[str], test: Scored) -> None:
     """The gallery's inputs (normalised, as the model saw them), heatmaps and boxes (plain arrays and
     JSON text: the report reads them with ``allow_pickle=False``)."""
     s, y, patients, images = test

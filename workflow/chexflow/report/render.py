@@ -21,7 +21,7 @@ from chexflow.report.errors import ReportInputError
 from chexflow.report.inputs import (INPUTS, check_inputs, load_benchmark, load_external, load_manifest,
                                     load_metrics_json, load_metrics_jsonl, load_predictions)
 from chexflow.report.provenance import collect_provenance, package_versions
-from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, published_apply, roc_view
+from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, roc_view
 from chexflow.report.run_view import dataset_view, run_view
 from chexflow.report.run_view import training_view
 from chexflow.report.studies_view import ablation_view, scaling_view, sweep_view
@@ -114,7 +114,7 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
         "mean": mean_row(rows, metrics, synthetic=bool(synthetic)),
         "below_chance": [r for r in rows if r.ours is not None and r.ours < 0.5],
         "bars": plots.auroc_bars(labels, {r.label: r.ours for r in rows},
-                                 *((published.CHEXNET_AUROC, published.WANG2017_AUROC) if published_apply(labels)
+                                 *((published.CHEXNET_AUROC, published.WANG2017_AUROC) if metrics.get("published_comparable")
                                    else ({}, {}))),
         "has_ci": any(r.ci_low is not None for r in rows),
         "roc": roc,

@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_curve
 
-from chexflow.data import nih
 from chexflow.evaluate import published
 from chexflow.evaluate.metrics import precision_recall
 from chexflow.report import plots
@@ -46,13 +45,8 @@ class AurocRow:
         return "below 0.5, CI includes chance" if self.ci_low is not None else "below 0.5, no CI"
 
 
-def published_apply(labels: list[str]) -> bool:
-    """Whether the published ChestX-ray14 numbers stand beside these findings (NIH's own 14)."""
-    return tuple(labels) == nih.LABELS
-
-
 def auroc_rows(metrics: dict[str, Any], *, synthetic: bool = False) -> list[AurocRow]:
-    nih_findings = published_apply(list(metrics["labels"]))
+    nih_findings = bool(metrics.get("published_comparable"))     # decided by evaluation
     return [AurocRow(label=lab, display=plots.display_name(lab), ours=e["auroc"], ci_low=e["ci_low"],
                      ci_high=e["ci_high"], n_pos=e["n_pos"], n_neg=e["n_neg"],
                      chexnet=published.CHEXNET_AUROC.get(lab) if nih_findings else None,
