@@ -26,6 +26,7 @@ from chexflow.data import registry, tables
 from chexflow.data.config import ShardConfig, TableSpec
 from chexflow.evaluate import run as evaluate
 from chexflow.evaluate.config import EvaluateConfig
+from chexflow.report.run_view import release_text
 from chexflow.settings import ConfigError, from_dict
 from chexflow.train import trainer as T
 from chexflow.train.backends import Backend
@@ -130,6 +131,10 @@ def test_docs_csv_example_runs_as_written_to_shards(chain):
     m = json.loads(chain["manifest"].read_text())
     assert m["n_rejects"] == 1 and m["labels"] == ["Effusion", "Cardiomegaly"]
     assert sum(s["n_images"] for s in m["splits"].values()) == len(splits) - 1
+    # what the report and the model card say of the release: the rejected image is not counted as used
+    n = len(splits)
+    assert (m["coverage"]["n_found"], m["coverage"]["n_rejected"], m["coverage"]["n_used"]) == (n, 1, n - 1)
+    assert release_text(m) == f"{n - 1} of {n} listed images, 1 rejected, read from the image folder by 1 shard job(s)"
     part_log = (work / "logs/shards/hospital_b/part_001.log").read_text()
     assert f"{chain['table']}: line {chain['missing'] + 2}" in part_log and rows[chain["missing"]]["path"] in part_log
 
