@@ -36,7 +36,7 @@ def evaluated(tmp_path_factory, request):
             state_dict=model.state_dict(), run_id="inspect0", stage="finetune", dataset="nih_demo", task="multilabel",
             labels=list(nih.LABELS), arch="resnet18", in_channels=1, crop=CROP, epoch=2, val_metric=0.5,
             val_metric_name="mean_auroc", config={"init": "random", "seed": 0}), root / "model.pt")
-        cfg = {"batch_size": 64, "bootstrap_resamples": 100, "seed": 0, "min_subgroup_count": 2,
+        cfg = {"batch_size": 64, "bootstrap_resamples": 100, "seed": 0, "min_patients": 2,
                "saliency": {"top_k": 2}}
         raw = root / "raw"
         proc = subprocess.run(

@@ -194,12 +194,18 @@ def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
         raise PredictionsRecordError(f"{path}: missing column(s) {missing}")
     for lab in labels:
         for col in (lab, f"{lab}_score"):
-            if not pd.api.types.is_numeric_dtype(df[col]):
-                raise PredictionsRecordError(f"{path}: column {col!r} is not numeric")
+            if not pd.api.types.is_numeric_dtype(df[col]) or pd.api.types.is_bool_dtype(df[col]):
+                raise PredictionsRecordError(f"{path}: column {col!r} is not numeric (labels are 0, 1 or empty, "
+                                             "never True/False)")
         _refuse_rows(path, df, lab, ~(df[lab].isin((0, 1)) | df[lab].isna()), "a label is 0, 1 or empty")
         score = df[f"{lab}_score"]
         _refuse_rows(path, df, f"{lab}_score", ~score.between(0, 1), "a score is a probability in [0, 1]")
         df[f"{lab}_score"] = score.astype(np.float32)
+    for col in ("image", "patient"):            # every statistic resamples patients: an id is never blank
+        blank = df[col].isna() | (df[col].astype(str).str.strip() == "")
+        if blank.any():
+            raise PredictionsRecordError(f"{path}: column {col!r}: {int(blank.sum())} row(s) without an id (the first: "
+                                         f"row {int(df.index[blank][0]) + 2} of the file)")
     twice = df["image"].duplicated(keep=False)
     if twice.any():
         raise PredictionsRecordError(f"{path}: {int(twice.sum())} rows name an image another row names too "

@@ -20,7 +20,7 @@ import torch
 
 from chexflow import host
 from chexflow.data import loader, nih
-from chexflow.evaluate import leakage, localisation, model_file, saliency, subgroups, underdiagnosis
+from chexflow.evaluate import intervals, leakage, localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
                                        precision_recall)
@@ -119,7 +119,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
               "host": host.describe(), "training_host": info.get("host")}
     for j, label in enumerate(labels):
         result["labels"][label] = _label_entry(cfg, label, y[:, j], s[:, j], patients, val, j, per_label[label],
-                                               boot.get("labels", {}).get(label, {}).get("ci"))
+                                               boot["labels"][label])
     if tuple(labels) != nih.LABELS:     # CheXNet's numbers are of ChestX-ray14's findings and test set
         result["chexnet_mean_same_labels"] = None
         for entry in result["labels"].values():
@@ -128,15 +128,17 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     fields = None
     if label_table is not None:
         fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
-        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_subgroup_count,
+        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients,
                                "groups": subgroups.subgroup_aurocs(
                                    y, s, np.asarray(patients), labels, fields, age_edges=cfg.age_bands,
-                                   min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples,
+                                   min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
                                    seed=cfg.seed)}
+    # the "no finding" call of the audit: chosen on validation, applied to test (underdiagnosis)
+    call = underdiagnosis.no_finding_operating_point(
+        val[1], val[0], val[2], labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()})
     result["underdiagnosis"] = underdiagnosis.audit(
-        y, s, patients, labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()}, fields,
-        age_edges=cfg.age_bands, min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed,
-        images=images)
+        y, s, patients, labels, call, fields, age_edges=cfg.age_bands, min_patients=cfg.min_patients,
+        n_resamples=cfg.bootstrap_resamples, seed=cfg.seed, images=images)
     stored = int(loader.read_manifest(Path(manifest)).get("image_size") or crop)
     heat = _saliency(cfg, model, info, labels, test, result, manifest=Path(manifest), crop=crop, stored=stored,
                      boxes=boxes, box_frame=box_frame, device=device) if heatmaps else _NO_HEATMAPS
@@ -152,22 +154,35 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
 # --------------------------------------------------------------------------- per finding
 
 def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray, patients: list[str],
-                 val: tuple, j: int, auroc: float | None, ci: list | None) -> LabelRecord:
-    """A finding's AUROC, CI, positives, AUPRC, calibration and its operating point (``record``)."""
+                 val: tuple, j: int, auroc: float | None, boot: dict) -> LabelRecord:
+    """A finding's AUROC, CI, positives, AUPRC, calibration and its operating point (``record``), each
+    with its interval (``intervals``), under the small-count rule: below ``min_patients`` positive or
+    negative patients the CIs are withheld and ``too_few`` says why."""
     known = ~np.isnan(yj)
     test_pos = positives(yj, patients)
+    pats = np.asarray(patients)[known]
+    n_neg_patients = int(np.unique(pats[yj[known] == 0]).size)
+    few = intervals.too_few(test_pos["patients"], n_neg_patients, cfg.min_patients) if auroc is not None else None
     entry: LabelRecord = {"auroc": auroc, "n_pos": test_pos["images"], "n_neg": int((yj[known] == 0).sum()),
-                          "n_pos_patients": test_pos["patients"], "ci": ci, "chexnet": CHEXNET.get(label)}
+                          "n_pos_patients": test_pos["patients"], "n_neg_patients": n_neg_patients, "too_few": few,
+                          "ci": None if few else boot["ci"], "ci_resamples_dropped": boot["n_skipped"],
+                          "chexnet": CHEXNET.get(label)}
     if len(np.unique(yj[known])) == 2:
         pr = precision_recall(yj, sj)
         entry.update(auprc=pr["auprc"], prevalence=pr["prevalence"],
                      calibration=calibration(yj, sj, n_bins=cfg.calibration_bins))
+        entry["score_intervals"] = None if few else intervals.score_intervals(
+            yj[known], sj[known], pats, n_bins=cfg.calibration_bins, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     vs, vy, vpatients = val[0][:, j], val[1][:, j], val[2]
     vknown = ~np.isnan(vy)
     vpos = positives(vy, vpatients)
     entry["val_positives"] = vpos["images"]
     entry["val_positive_patients"] = vpos["patients"]
     entry.update(choose_operating_point(vy[vknown], vs[vknown], yj[known], sj[known]))
+    if "test_operating_point" in entry and known.any():
+        entry["test_operating_point_intervals"] = intervals.operating_point_intervals(
+            yj[known], sj[known], pats, entry["test_operating_point"]["threshold"], minimum=cfg.min_patients,
+            n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     if entry.get("operating_point_split") == "validation":
         # the evidence the threshold rests on: images of one patient are not independent
         entry["threshold_few_positives"] = min(vpos["images"], vpos["patients"]) < cfg.min_val_positives
@@ -240,7 +255,7 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     heat = dict(zip(pairs, maps))
     scored = []
     for (i, j), found in sorted(ref.items()):
-        row = localisation.score(heat[(i, j)], found)
+        row = localisation.score(heat[(i, j)], found, where=f"{images[i]} ({labels[j]})")
         scored.append({"image": images[i], "patient": patients[i], "label": labels[j], "score": float(s[i, j]),
                        **{k: row[k] for k in ("hit", "no_saliency", "n_tied", "n_tied_inside", "iobb", "random_point",
                                               "centre_hit")},
@@ -248,8 +263,9 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     if boxes is not None:
         for j, label in enumerate(labels):
             if label in summary["boxes"]["findings"]:
-                summary["labels"][label] = localisation.summarise([r for r in scored if r["label"] == label],
-                                                                  auroc_ci=result["labels"][label]["ci"])
+                summary["labels"][label] = localisation.summarise(
+                    [r for r in scored if r["label"] == label], min_patients=cfg.min_patients,
+                    n_resamples=cfg.bootstrap_resamples, seed=cfg.seed, auroc_ci=result["labels"][label]["ci"])
     return {"summary": summary, "scored": scored, "gallery": gallery, "heat": heat, "inputs": inputs, "ref": ref}
 
 

@@ -54,13 +54,13 @@ def underdiagnosis_view(metrics: dict[str, Any]) -> dict[str, Any] | None:
     if rec.get("overall") is not None:
         _check_cell(rec["overall"], "underdiagnosis.overall")
     inter = named(rec.get("intersections") or [])
-    shown = [c for c in inter if c["patient"]["ci"] is not None]
+    shown = [c for c in inter if not c.get("too_few")]
     return {**rec, "groups": named(rec.get("groups") or []), "intersections": shown,
             "n_intersections_left_out": len(inter) - len(shown), "overall": rec.get("overall")}
 
 
-CELL_KEYS = ("attribute", "group", "note")
-RATE_KEYS = ("n", "missed", "rate", "ci")
+CELL_KEYS = ("attribute", "group", "note", "too_few")
+RATE_KEYS = ("n", "missed", "rate", "ci", "interval")
 VERDICT_KEYS = ("n", "n_no_saliency", "n_pointed", "hits", "hits_range", "n_tied", "hit_rate", "ci", "random_point",
                 "centre_point", "p_above", "mean_iobb", "verdict_text", "elsewhere")
 
@@ -68,9 +68,10 @@ VERDICT_KEYS = ("n", "n_no_saliency", "n_pointed", "hits", "hits_range", "n_tied
 def _check_cell(cell: Any, where: str) -> None:
     """An underdiagnosis cell of metrics.json as the evaluation writes it, or an error naming the key."""
     ok = isinstance(cell, dict) and all(k in cell for k in CELL_KEYS) and all(
-        isinstance(cell.get(level), dict) and all(k in cell[level] for k in RATE_KEYS) for level in ("image", "patient"))
+        isinstance(cell.get(level), dict) and all(k in cell[level] for k in RATE_KEYS)
+        for level in ("image", "patient", "companion"))
     if not ok:
-        raise ReportInputError(f"metrics.json: {where} must be an object with {list(CELL_KEYS)} and image/patient "
+        raise ReportInputError(f"metrics.json: {where} must be an object with {list(CELL_KEYS)} and image/patient/companion "
                                f"rates {list(RATE_KEYS)}, got {str(cell)[:200]}")
 
 
