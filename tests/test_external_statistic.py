@@ -153,8 +153,11 @@ def test_every_statistic_of_the_evaluation_counts_known_labels_only():
         e = male["labels"][lab]
         assert (e["n_pos"], e["n_neg"]) == ((ys == 1).sum(), (ys == 0).sum())
         assert e["auroc"] == pytest.approx(roc_auc_score(ys[known], ss[known]))
-    audit = underdiagnosis.audit(y, s, patients, labels, {"A": 0.5, "B": 0.5}, None, age_edges=(18, 40, 60, 80),
-                                 min_count=3, n_resamples=50, seed=0)
+    audit = underdiagnosis.audit(y, s, patients, labels, {"threshold": 0.5, "findings": labels}, None,
+                                 age_edges=(18, 40, 60, 80), min_patients=3, n_resamples=50, seed=0)
     has = (y == 1).any(axis=1)
     missed = (s < 0.5).all(axis=1)
+    normal = ~has                   # unknown is not positive: an image of NaN and 0 labels is normal
+    assert audit["overall"]["companion"]["n"] == normal.sum()
+    assert audit["overall"]["companion"]["k"] == (normal & missed).sum()
     assert audit["overall"]["image"]["n"] == has.sum() and audit["overall"]["image"]["missed"] == (has & missed).sum()

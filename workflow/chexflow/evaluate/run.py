@@ -115,6 +115,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
                             "mean_resamples_used": boot["mean_auroc"]["n_resamples_used"],
                             "mean_rule": boot["mean_auroc"]["rule"]},
               "min_val_positives": cfg.min_val_positives, "calibration_bins": cfg.calibration_bins,
+              "min_patients": cfg.min_patients,
               # where the scores were computed, and where the model was trained (None: not recorded)
               "host": host.describe(), "training_host": info.get("host")}
     for j, label in enumerate(labels):
@@ -228,7 +229,8 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     name, layer, side = saliency.choose_layer(model, crop=crop, in_channels=info["in_channels"],
                                               min_side=cfg.saliency.min_side, device=device, layer=cfg.saliency.layer)
     summary: dict = {"method": "Grad-CAM (Captum LayerGradCam)", "layer": name, "layer_side": side, "crop": crop,
-                     "level": localisation.HEATMAP_LEVEL, "tie_rtol": localisation.TIE_RTOL, "boxes": None, "labels": {}}
+                     "level": localisation.HEATMAP_LEVEL, "tie_rtol": localisation.TIE_RTOL, "boxes": None, "labels": {},
+                     "unit": "patient", "min_patients": cfg.min_patients}
     ref: dict[tuple[int, int], list] = {}
     if boxes is not None:
         frame = localisation.Frame(width=box_frame, height=box_frame, stored=stored, crop=crop)
