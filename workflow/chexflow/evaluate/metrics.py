@@ -41,7 +41,6 @@ __all__ = [
     "positives",
     "calibration",
     "precision_recall",
-    "proportion_ci",
 ]
 
 
@@ -412,13 +411,3 @@ def precision_recall(y_true: np.ndarray, y_score: np.ndarray) -> dict[str, Any]:
     precision, recall, _ = precision_recall_curve(t, s)
     return {"auprc": float(average_precision_score(t, s)), "prevalence": float(t.mean()),
             "precision": precision.tolist(), "recall": recall.tolist()}
-
-
-def proportion_ci(k: int, n: int, *, alpha: float = 0.05) -> list[float] | None:
-    """Wilson score interval of a proportion k/n (scipy); None for n = 0."""
-    from scipy.stats import binomtest
-    if n == 0:
-        return None
-    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=1.0 - alpha, method="wilson")
-    return [float(ci.low), float(ci.high)]
-
