@@ -47,15 +47,20 @@ class LabelRecord(TypedDict, total=False):
     n_pos: int
     n_neg: int
     n_pos_patients: int
+    n_neg_patients: int
+    too_few: str | None                       # the small-count rule's words (intervals.too_few): ci withheld
+    ci_resamples_dropped: int                 # bootstrap resamples with one class of the finding
     chexnet: float | None
     auprc: float
     prevalence: float
     calibration: dict[str, Any]
+    score_intervals: dict[str, Any] | None    # intervals.score_intervals: AUPRC, Brier, ECE (None: too few)
     val_positives: int
     val_positive_patients: int
     threshold_few_positives: bool             # a validation threshold on few positives
     threshold_val_youden: float
     test_operating_point: dict[str, Any]
+    test_operating_point_intervals: dict[str, Any]    # intervals.operating_point_intervals
     operating_point_split: Split
 
 
