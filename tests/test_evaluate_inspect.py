@@ -134,11 +134,11 @@ def test_localisation_scores_every_boxed_positive_of_the_test_split(evaluated):
                                 "c": pointed["random_point"]}).groupby("patient").mean()
             d = (per["h"] - per["e"]).to_numpy()
             d = d[d != 0]
-            assert e["discordant"] == [int((per["h"] > per["e"]).sum()), int((per["h"] < per["e"]).sum())]
             assert e["n_patients"] == len(per) and e["unit"] == "patient"
-            if e["verdict"] == "too few":
-                assert len(per) < m["min_patients"] and e["p_above"] is None
+            if e["verdict"] == "too few":             # the small-count rule: no test, no verdict
+                assert len(per) < m["min_patients"] and e["p_above"] is None and e["discordant"] is None
                 continue
+            assert e["discordant"] == [int((per["h"] > per["e"]).sum()), int((per["h"] < per["e"]).sum())]
             if 0 < d.size <= 12:                # the sign-flip test by enumeration of every sign pattern
                 sums = np.array([np.dot(d, signs) for signs in itertools.product((1, -1), repeat=d.size)])
                 assert e["p_above_centre"] == pytest.approx(np.mean(sums >= d.sum() - 1e-12))
