@@ -286,7 +286,7 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
     rows = [{"label": L, "auroc": result["labels"][L]["auroc"],
              "ci_low": (result["labels"][L]["ci"] or [None, None])[0],
              "ci_high": (result["labels"][L]["ci"] or [None, None])[1],
-             "chexnet": result["labels"][L]["chexnet"]} for L in labels]
+             "chexnet": result["labels"][L]["chexnet"], "too_few": result["labels"][L].get("too_few")} for L in labels]
     rows.append({"label": "mean", "auroc": result["mean_auroc"],
                  "ci_low": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[0],
                  "ci_high": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[1],
@@ -300,7 +300,8 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
          "val_positives": e["val_positives"],
          "val_positive_patients": e["val_positive_patients"],
          "threshold_few_positives": e.get("threshold_few_positives"),
-         **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")}}
+         **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")},
+         **_interval_columns(e)}
         for L, e in result["labels"].items()])
     _csv(out_dir / "subgroups.csv", [
         {"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
@@ -313,6 +314,16 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
     if heat["summary"] is not None:
         _csv(out_dir / "localisation.csv", heat["scored"], LOCALISATION_COLUMNS)
         _write_gallery(out_dir / "saliency.npz", heat, labels, test)
+
+
+def _interval_columns(e: dict) -> dict:
+    """A finding's intervals as CSV columns: AUPRC, Brier, ECE and the rates at its operating point."""
+    si, op = e.get("score_intervals") or {}, e.get("test_operating_point_intervals") or {}
+    cols = {f"{k}_ci_{end}": (si.get(f"{k}_ci") or [None, None])[i] for k in ("auprc", "brier", "ece")
+            for i, end in enumerate(("low", "high"))}
+    cols.update({f"{k}_ci_{end}": ((op.get(k) or {}).get("ci") or [None, None])[i]
+                 for k in ("sensitivity", "specificity", "ppv", "npv") for i, end in enumerate(("low", "high"))})
+    return cols
 
 
 LOCALISATION_COLUMNS = ("image", "patient", "label", "score", "hit", "no_saliency", "point_x", "point_y", "n_tied",
