@@ -97,6 +97,7 @@ def test_below_the_minimum_of_patients_a_cell_is_too_few_with_its_counts():
     assert f["note"] == "too few: 3 with a finding / 3 normal patients (5 of each needed)"
     assert f["verdict"] == "too few" and f["gap_ci"] is None
     assert f["image"]["ci"] is None and f["patient"]["ci"] is None and f["companion"]["ci"] is None
+    assert f["image"]["too_few"] == f["patient"]["too_few"] == f["companion"]["too_few"] == "too few"
     assert (f["image"]["missed"], f["image"]["n"]) == (2, 3)
     assert rec["overall"]["image"]["ci"] is not None          # 6 and 6 patients overall: enough
 

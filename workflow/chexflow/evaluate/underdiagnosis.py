@@ -108,7 +108,8 @@ def _patient_level(cond: np.ndarray, called: np.ndarray, patients: np.ndarray, *
     kept = np.bincount(pidx, weights=(cond & ~called).astype(float), minlength=n_pat) == 0
     n, k = int(has.sum()), int((has & kept).sum())
     return {"n": n, "missed": k, "rate": k / n if n else None,
-            "ci": intervals.exact_ci(k, n, alpha=alpha) if n else None, "interval": "exact (Clopper-Pearson)"}
+            "ci": intervals.exact_ci(k, n, alpha=alpha) if n else None, "interval": "exact (Clopper-Pearson)",
+            "too_few": None}
 
 
 def _image_level(cond: np.ndarray, called: np.ndarray, patients: np.ndarray, **kw: Any) -> dict[str, Any]:
@@ -129,7 +130,8 @@ def rates(has_finding: np.ndarray, normal: np.ndarray, called: np.ndarray, patie
     out["too_few"] = intervals.too_few(int(np.unique(patients[has_finding]).size),
                                        int(np.unique(patients[normal]).size), min_patients)
     if out["too_few"]:
-        out["patient"]["ci"] = None                     # the rule withholds every interval of the cell
+        for level in ("image", "patient", "companion"):     # the rule withholds every interval of the cell
+            out[level].update(ci=None, interval=None, too_few="too few")
         out["note"] = out["too_few"].replace("positive", "with a finding").replace("negative", "normal")
     else:
         out["note"] = ""
