@@ -371,6 +371,7 @@ def test_below_the_minimum_of_patients_no_verdict_and_no_interval():
                       min_patients=5)
     assert got["verdict"] == "too few" and got["verdict_text"] == "too few: 4 patients (5 needed), 8 maps: no verdict"
     assert got["p_above"] is None and got["ci"] is None and got["mean_iobb_ci"] is None and got["hits"] == 8
+    assert got["too_few"] == "too few: 4 patients (5 needed)"
 
 
 def test_a_non_finite_pixel_is_refused_and_the_centre_uses_pixel_centres():

@@ -170,7 +170,7 @@ def summarise(rows: Sequence[dict], *, min_patients: int = 1, n_resamples: int =
     out = {"n": len(rows), "n_no_saliency": len(rows) - k, "n_pointed": k, "hits": int(hit.sum()),
            "n_patients": int(np.unique(patients).size) if k else 0,
            "hit_rate": rate["rate"] if k else None, "ci": rate["ci"] if k else None,
-           "ci_interval": rate["interval"] if k else None,
+           "ci_interval": rate["interval"] if k else None, "too_few": rate["too_few"] if k else None,
            "random_point": float(np.mean([r["random_point"] for r in pointed])) if k else None,
            "centre_point": float(np.mean([r["centre_hit"] for r in pointed])) if k else None,
            "n_tied": sum(r["n_tied"] > 1 for r in pointed),
