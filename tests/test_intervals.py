@@ -74,3 +74,17 @@ def test_a_mean_without_spread_gets_no_interval():
     assert got["value"] == 0.0 and got["ci"] is None
     spread = intervals.mean(np.arange(12.0), np.repeat(np.arange(6), 2), minimum=5, n_resamples=100, seed=0)
     assert spread["ci"][0] < 5.5 < spread["ci"][1] and spread["interval"] == "patient bootstrap"
+
+
+def test_the_operating_point_rates_and_f1_by_hand():
+    """6 patients, one image each: labels 1 1 1 0 0 0, flagged 1 1 0 1 0 0. TP 2, FN 1, FP 1, TN 2:
+    sensitivity 2/3, specificity 2/3, PPV 2/3, NPV 2/3, F1 = 4 / (4 + 1 + 1) = 2/3; with a minimum of 4
+    patients each rate over 3 patients is too few, F1 (over the 4 patients with a TP, FP or FN) is not."""
+    t = np.array([1, 1, 1, 0, 0, 0], float)
+    s = np.array([0.9, 0.8, 0.1, 0.7, 0.2, 0.3])
+    got = intervals.operating_point_intervals(t, s, list("abcdef"), 0.5, minimum=4, n_resamples=200, seed=0)
+    for key in ("sensitivity", "specificity", "ppv", "npv"):
+        assert got[key]["rate"] == pytest.approx(2 / 3) and got[key]["too_few"] == "too few: 3 patients (4 needed)"
+    f1 = got["f1"]
+    assert (f1["k"], f1["n"], f1["n_patients"]) == (4, 6, 4) and f1["rate"] == pytest.approx(2 / 3)
+    assert f1["too_few"] is None and f1["ci"][0] <= 2 / 3 <= f1["ci"][1]

@@ -58,16 +58,26 @@ def rate(hit: np.ndarray, den: np.ndarray, patients: Sequence[Any], *, minimum: 
     Returns ``{"k", "n" (images), "n_patients" (in the denominator), "rate", "ci", "interval",
     "n_resamples_used", "n_resamples_dropped", "too_few"}``: ``too_few`` (the rule's words) when the
     denominator holds fewer than ``minimum`` patients, then no interval."""
-    hit, den, patients = np.asarray(hit, bool), np.asarray(den, bool), np.asarray(patients)
-    k, n = int((hit & den).sum()), int(den.sum())
-    n_pat = int(np.unique(patients[den]).size)
+    den = np.asarray(den, bool)
+    return ratio((np.asarray(hit, bool) & den).astype(float), den.astype(float), patients, minimum=minimum,
+                 n_resamples=n_resamples, seed=seed, alpha=alpha)
+
+
+def ratio(num: np.ndarray, den: np.ndarray, patients: Sequence[Any], *, minimum: int, n_resamples: int, seed: Any,
+          alpha: float = 0.05) -> dict[str, Any]:
+    """``sum(num) / sum(den)`` of per-image counts (``0 <= num <= den``; an image with ``den`` 0 is not in the
+    denominator), with its interval as :func:`rate` gives it (a rate: ``num`` and ``den`` 0/1; F1: 2 TP
+    over 2 TP + FP + FN)."""
+    num, den, patients = np.asarray(num, float), np.asarray(den, float), np.asarray(patients)
+    k, n = int(round(num.sum())), int(round(den.sum()))
+    n_pat = int(np.unique(patients[den > 0]).size)
     out = {"k": k, "n": n, "n_patients": n_pat, "rate": k / n if n else None, "ci": None, "interval": None,
            "n_resamples_used": 0, "n_resamples_dropped": 0, "too_few": too_few(n_pat, None, minimum)}
     if out["too_few"]:
         return out
     w = weights(patients, n_resamples, seed)
-    num, d = w @ (hit & den).astype(float), w @ den.astype(float)
-    vals = np.where(d > 0, num / np.where(d > 0, d, 1.0), np.nan)
+    top, d = w @ num, w @ den
+    vals = np.where(d > 0, top / np.where(d > 0, d, 1.0), np.nan)
     used = int((d > 0).sum())
     out.update(n_resamples_used=used, n_resamples_dropped=n_resamples - used)
     if k in (0, n):
@@ -130,9 +140,12 @@ def score_intervals(t: np.ndarray, p: np.ndarray, patients: Sequence[Any], *, n_
 
 def operating_point_intervals(t: np.ndarray, s: np.ndarray, patients: Sequence[Any], threshold: float, *,
                               minimum: int, n_resamples: int, seed: Any, alpha: float = 0.05) -> dict[str, Any]:
-    """Sensitivity, specificity, PPV and NPV of ``s >= threshold`` (known labels ``t``), each a ``rate``
-    over its own denominator's patients (the positives', the negatives', the flagged', the unflagged')."""
+    """Sensitivity, specificity, PPV, NPV and F1 of ``s >= threshold`` (known labels ``t``), each over its own
+    denominator's patients (the positives', the negatives', the flagged', the unflagged'; F1's: the images
+    with a TP, FP or FN)."""
     t, flagged = np.asarray(t, float) == 1.0, np.asarray(s, float) >= threshold
     kw = {"minimum": minimum, "n_resamples": n_resamples, "seed": seed, "alpha": alpha}
+    tp, fp, fn = (t & flagged).astype(float), (~t & flagged).astype(float), (t & ~flagged).astype(float)
     return {"sensitivity": rate(flagged, t, patients, **kw), "specificity": rate(~flagged, ~t, patients, **kw),
-            "ppv": rate(t, flagged, patients, **kw), "npv": rate(~t, ~flagged, patients, **kw)}
+            "ppv": rate(t, flagged, patients, **kw), "npv": rate(~t, ~flagged, patients, **kw),
+            "f1": ratio(2 * tp, 2 * tp + fp + fn, patients, **kw)}
