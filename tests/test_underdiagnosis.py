@@ -67,6 +67,8 @@ def test_a_real_gap_between_two_groups_is_found():
     assert f["verdict"] == "higher" and m["verdict"] == "lower"
     assert f["gap"] == pytest.approx(0.6) and f["gap_ci"][0] > 0 and f["verdict_text"].startswith(
         "more underdiagnosis than the rest of its attribute (0.600 against 0.000")
+    assert f["verdict_text"].endswith("; unit: images with a finding, resampled by patient; 10 patients with a "
+                                      "finding in the group, 10 in the rest)")
     same = U.audit(*_two_groups(3, 3)[:3], ["A", "B"], CALL, _two_groups(3, 3)[3], min_patients=5, **KW)
     assert [c["verdict"] for c in same["groups"] if c["attribute"] == "sex"] == ["no gap shown"] * 2
 

@@ -225,9 +225,11 @@ def _gap(c: dict, sel: np.ndarray, rest: np.ndarray, has: np.ndarray, normal: np
     else:
         verdict, why = "no gap shown", f"95% patient-bootstrap CI of the difference {ci[0]:+.3f} to {ci[1]:+.3f} includes 0"
     words = {"higher": "more underdiagnosis than", "lower": "less underdiagnosis than", "no gap shown": "no gap to"}
+    rests_on = (f"unit: images with a finding, resampled by patient; {c['patient']['n']} patients with a finding in "
+                f"the group, {int(np.unique(patients[rest & has]).size)} in the rest")
     return {**gap, "verdict": verdict,
             "verdict_text": f"{words[verdict]} the rest of its attribute ({c['image']['rate']:.3f} against "
-                            f"{rest_rate:.3f} of images with a finding called \"no finding\"; {why})"}
+                            f"{rest_rate:.3f} of images with a finding called \"no finding\"; {why}; {rests_on})"}
 
 
 def _set_aside(mask: np.ndarray, unused_positive: np.ndarray, patients: np.ndarray, images: Sequence[str] | None,
