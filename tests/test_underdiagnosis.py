@@ -159,6 +159,9 @@ def test_the_report_renders_the_verdicts_and_refuses_a_malformed_record():
     rec = U.audit(y, s, patients, ["A", "B"], CALL, fields, min_patients=5, **KW)
     view = analyses.underdiagnosis_view({"underdiagnosis": rec})
     assert view["overall"]["image"]["rate"] == 0.3 and view["groups"][0]["attribute_name"] == "Sex"
+    said = analyses.limitations({"localisation": None, "subgroups": None, "underdiagnosis": view})
+    assert said == ["Underdiagnosis higher than in the rest of the attribute (95% CI of the difference above 0): "
+                    "sex female."]
     assert view["n_intersections_left_out"] == sum(c["too_few"] is not None for c in rec["intersections"])
     del rec["groups"][1]["companion"]
     with pytest.raises(ReportInputError, match=r"metrics.json: underdiagnosis.groups\[1\] must be an object"):

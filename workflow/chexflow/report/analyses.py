@@ -143,4 +143,9 @@ def limitations(ctx: dict[str, Any]) -> list[str]:
         out.append(f"No underdiagnosis rate: {und.get('note')}.")
     elif und and not und.get("detectable"):
         out.append(f"The underdiagnosis audit cannot detect underdiagnosis at its operating point: {und.get('verdict')}.")
+    elif und:
+        higher = [f"{c['attribute_name'].lower()} {c['group']}" for c in und["groups"] if c.get("verdict") == "higher"]
+        if higher:
+            out.append(f"Underdiagnosis higher than in the rest of the attribute (95% CI of the difference above 0): "
+                       f"{', '.join(higher)}.")
     return out
