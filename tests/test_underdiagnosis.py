@@ -124,8 +124,12 @@ def test_an_image_positive_only_for_a_finding_without_a_threshold_is_set_aside_n
 
 def test_without_a_call_or_fields():
     y, s, patients, fields = _two_groups(6, 0)
-    rec = U.audit(y, s, patients, ["A", "B"], {"threshold": None, "note": "no call"}, fields, min_patients=5, **KW)
+    no_call = {"rule": U.RULE, "split": "validation", "findings": [], "threshold": None, "note": "no call"}
+    rec = U.audit(y, s, patients, ["A", "B"], no_call, fields, min_patients=5, **KW)
     assert rec["overall"] is None and rec["note"] == "no call" and U.table(rec) == []
+    from chexflow.report import templating                 # the report renders a record without a call
+    html = templating.environment().get_template("_underdiagnosis.html.j2").render(underdiagnosis=rec)
+    assert "<p class=\"note\">no call</p>" in html
     rec = U.audit(y, s, patients, ["A", "B"], CALL, None, min_patients=5, **KW)
     assert rec["overall"]["image"]["rate"] == 0.3 and rec["groups"] == [] and rec["intersections"] == []
 

@@ -151,7 +151,7 @@ def audit(y: np.ndarray, s: np.ndarray, patients: Sequence, labels: Sequence[str
             "n_resamples": n_resamples, "seed": seed, "groups": [], "intersections": []}
     used = np.array([lab in call.get("findings", ()) for lab in labels])
     if call.get("threshold") is None:
-        return {**base, "overall": None, "detectable": None, "verdict": None, "labels_used": [],
+        return {**base, "overall": None, "detectable": None, "verdict": None, "labels_used": [], "set_aside": None,
                 "labels_without_threshold": list(labels), "note": call.get("note") or "no call was chosen"}
     y, s, patients = np.asarray(y, float), np.asarray(s, float), np.asarray(patients)
     positive = y == 1.0                                   # unknown (NaN) is not positive
