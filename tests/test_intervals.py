@@ -88,3 +88,14 @@ def test_the_operating_point_rates_and_f1_by_hand():
     f1 = got["f1"]
     assert (f1["k"], f1["n"], f1["n_patients"]) == (4, 6, 4) and f1["rate"] == pytest.approx(2 / 3)
     assert f1["too_few"] is None and f1["ci"][0] <= 2 / 3 <= f1["ci"][1]
+
+
+def test_the_auroc_against_chance_is_decided_here_and_only_worded_by_the_report():
+    from chexflow.report.results_view import AurocRow
+    assert [intervals.against_chance(ci) for ci in ([0.51, 0.7], [0.4, 0.6], [0.5, 0.7], [0.2, 0.49], None)] == \
+        ["above", "includes", "includes", "below", None]
+    row = dict(label="Mass", display="Mass", ours=0.43, ci_low=0.26, ci_high=0.6, n_pos=9, n_neg=400, chexnet=None,
+               wang=None)
+    assert AurocRow(**row, vs_chance="includes").chance_note == "below 0.5, CI includes chance"
+    assert AurocRow(**row, vs_chance="below").chance_note == "below chance (CI below 0.5)"
+    assert AurocRow(**row, vs_chance=None).chance_note == "below 0.5, no CI"     # withheld: too few

@@ -38,6 +38,14 @@ def too_few(n_pos_patients: int, n_neg_patients: int | None, minimum: int) -> st
     return f"too few: {n_pos_patients} positive / {n_neg_patients} negative patients ({minimum} of each needed)"
 
 
+def against_chance(ci: list[float] | None, chance: float = 0.5) -> str | None:
+    """Where a CI lies against chance (an AUROC's 0.5): "above", "includes", "below"; None without a CI
+    (none made, or withheld by the small-count rule). The evaluation stores it; the report words it."""
+    if not ci:
+        return None
+    return "above" if ci[0] > chance else "below" if ci[1] < chance else "includes"
+
+
 def exact_ci(k: int, n: int, *, alpha: float = 0.05) -> list[float]:
     """Clopper-Pearson interval of k/n (scipy's ``binomtest``); valid where the n units are independent."""
     from scipy.stats import binomtest

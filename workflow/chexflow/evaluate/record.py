@@ -50,6 +50,7 @@ class LabelRecord(TypedDict, total=False):
     n_neg_patients: int
     too_few: str | None                       # the small-count rule's words (intervals.too_few): ci withheld
     ci_resamples_dropped: int                 # bootstrap resamples with one class of the finding
+    vs_chance: str | None                     # the CI against 0.5: above, includes, below (intervals.against_chance)
     chexnet: float | None
     auprc: float
     prevalence: float

@@ -167,6 +167,7 @@ def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray
     entry: LabelRecord = {"auroc": auroc, "n_pos": test_pos["images"], "n_neg": int((yj[known] == 0).sum()),
                           "n_pos_patients": test_pos["patients"], "n_neg_patients": n_neg_patients, "too_few": few,
                           "ci": None if few else boot["ci"], "ci_resamples_dropped": boot["n_skipped"],
+                          "vs_chance": None if few else intervals.against_chance(boot["ci"]),
                           "chexnet": CHEXNET.get(label)}
     if len(np.unique(yj[known])) == 2:
         pr = precision_recall(yj, sj)

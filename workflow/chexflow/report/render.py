@@ -45,7 +45,7 @@ def limitations_of(ctx: dict[str, Any]) -> list[str]:
     few = [f"{r.display} ({r.too_few})" for r in ctx["rows"] if r.too_few]
     if few:
         out.append(f"AUROC without a CI, too few patients: {'; '.join(few)}.")
-    weak = [r.display for r in ctx["rows"] if r.ci_low is not None and r.ci_low <= 0.5]
+    weak = [r.display for r in ctx["rows"] if r.vs_chance in ("includes", "below")]
     if weak:
         out.append(f"The AUROC CI includes chance (0.5) or lies below it for {', '.join(weak)}.")
     roc = ctx["roc"]

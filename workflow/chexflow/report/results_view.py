@@ -31,6 +31,7 @@ class AurocRow:
     synthetic: bool = False          # published numbers for orientation only: no difference
     too_few: str | None = None       # the small-count rule's words (the CI withheld)
     dropped: int | None = None       # bootstrap resamples dropped (one class in the resample)
+    vs_chance: str | None = None     # the evaluation's verdict of the CI against 0.5 (above, includes, below)
 
     @property
     def diff(self) -> float | None:
@@ -40,12 +41,11 @@ class AurocRow:
 
     @property
     def chance_note(self) -> str:
-        """Below 0.5: whether the CI says worse than chance or cannot tell."""
+        """Below 0.5: the evaluation's verdict of the CI against chance, in words."""
         if self.ours is None or self.ours >= 0.5:
             return ""
-        if self.ci_high is not None and self.ci_high < 0.5:
-            return "below chance (CI below 0.5)"
-        return "below 0.5, CI includes chance" if self.ci_low is not None else "below 0.5, no CI"
+        return {"below": "below chance (CI below 0.5)", "includes": "below 0.5, CI includes chance"}.get(
+            self.vs_chance or "", "below 0.5, no CI")
 
 
 def published_apply(labels: list[str]) -> bool:
@@ -61,7 +61,8 @@ def auroc_rows(metrics: dict[str, Any], *, synthetic: bool = False) -> list[Auro
                      wang=published.WANG2017_AUROC.get(lab) if nih_findings else None,
                      n_pos_patients=metrics["raw_labels"][lab].get("n_pos_patients"), synthetic=synthetic,
                      too_few=metrics["raw_labels"][lab].get("too_few"),
-                     dropped=metrics["raw_labels"][lab].get("ci_resamples_dropped"))
+                     dropped=metrics["raw_labels"][lab].get("ci_resamples_dropped"),
+                     vs_chance=metrics["raw_labels"][lab].get("vs_chance"))
             for lab, e in metrics["labels"].items()]
 
 
