@@ -124,7 +124,12 @@ def test_fine_tuned_from_the_nih_pretrained_model_and_evaluated_on_known_labels(
         (sexes.get("Male", 0), sexes.get("Female", 0), sexes.get("Unknown", 0))
     assert groups[("age_band", "<18")] == sum(int(r["Age"]) < 18 for r in valid.values())
     assert groups[("view", "PA")] + groups[("view", "AP")] == len(valid)
-    assert metrics["underdiagnosis"]["overall"]["n_images"] == len(valid)
+    und = metrics["underdiagnosis"]          # the "no finding" call needs normal and abnormal validation images
+    if und["call"]["threshold"] is None:      # this tiny split's validation may hold no image without a finding
+        assert 0 in (und["call"]["validation"]["normal_images"], und["call"]["validation"]["images_with_finding"])
+        assert und["overall"] is None and "no call can be chosen" in und["note"]
+    else:
+        assert und["overall"]["n_images"] == len(valid)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ left out of each finding's AUROC on that image.
 
 The external set gets the internal evaluation's audits of its matched findings, with the same functions and
 settings: each finding's calibration (beside the internal one, from the internal record) and, given the
-external set's label table, its AUROC by subgroup (sex, age band, view; ``evaluate.min_subgroup_count``).
+external set's label table, its AUROC by subgroup (sex, age band, view; ``evaluate.min_patients``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from chexflow.data import labelmap
 from chexflow.data.manifest import read_manifest, split_shards
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
-from chexflow.evaluate import subgroups
+from chexflow.evaluate import intervals, subgroups
 from chexflow.evaluate.metrics import calibration, independent_bootstrap_auroc_diff, positives
 from chexflow.evaluate.record import read_metrics, read_predictions, write_predictions
 from chexflow.evaluate.run import predict
@@ -98,22 +98,31 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
 def _record(cfg: EvaluateConfig, m: dict, manifest: Path, found: labelmap.Match, stat: dict, internal: dict,
             ext: TestSet, inner: TestSet, info: dict) -> dict:
     findings = []
+    name = m.get("dataset")
     for k, (ours, theirs) in enumerate(found.pairs):
         e = stat["labels"][ours]
-        findings.append({
-            "finding": ours, "external_label": theirs,
-            "internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner.targets[:, k], inner.patients)},
-            "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext.targets[:, k], ext.patients)},
-            "drop": {"diff": e["diff"], "ci": e["ci"], "p_le_0": e["p_le_0"],
-                     "n_resamples_used": e["n_resamples_used"]},
-            "calibration": {"internal": (internal["labels"][ours] or {}).get("calibration")}})
+        sides = {"internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner.targets[:, k], inner.patients)},
+                 "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext.targets[:, k], ext.patients)}}
+        few = {side: intervals.too_few(c["n_pos_patients"], c["n_neg_patients"], cfg.min_patients)
+               for side, c in sides.items()}
+        for side, words in few.items():
+            sides[side].update(too_few=words, ci=None if words else sides[side]["ci"])   # the rule withholds the CI
+        drop = {"diff": e["diff"], "ci": e["ci"], "p_le_0": e["p_le_0"], "n_resamples_used": e["n_resamples_used"],
+                "n_resamples_dropped": e["n_resamples_dropped"]}
+        blocked = "; ".join(f"{side}: {w}" for side, w in few.items() if w)
+        if blocked:
+            drop.update(ci=None, p_le_0=None)
+        findings.append({"finding": ours, "external_label": theirs, **sides,
+                         "drop": {**drop, **drop_verdict(drop, name, too_few=blocked or None)},
+                         "calibration": {"internal": (internal["labels"][ours] or {}).get("calibration")}})
     return {"dataset": m.get("dataset"), "title": m.get("title"), "split_source": m.get("split_source"),
             "synthetic": bool(m.get("synthetic")), "manifest": str(manifest), "labelling": m.get("labelling"),
             "model_run_id": info["run_id"],
             "label_map": found.record(), "findings": findings,
             "mean": {"findings": stat["mean"]["labels"], "internal": stat["mean"]["a"], "external": stat["mean"]["b"],
                      "drop": stat["mean"]["diff"], "ci": stat["mean"]["ci"],
-                     "n_resamples_used": stat["mean"]["n_resamples_used"]},
+                     "n_resamples_used": stat["mean"]["n_resamples_used"],
+                     **drop_verdict({"diff": stat["mean"]["diff"], "ci": stat["mean"]["ci"]}, name)},
             "bootstrap": {"n_resamples": stat["n_resamples"], "seed": stat["seed"], "alpha": stat["alpha"],
                           "n_patients_internal": stat["n_patients_a"], "n_patients_external": stat["n_patients_b"],
                           "mean_rule": stat["rule"]},
@@ -132,17 +141,35 @@ def _audit(cfg: EvaluateConfig, result: dict, ext: TestSet, names: list[str], im
                                             if len(np.unique(y[known])) == 2 else None)
     if label_table is not None:
         fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
-        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_subgroup_count,
+        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients,
                                "groups": subgroups.subgroup_aurocs(
                                    ext.targets, ext.scores, ext.patients, names, fields, age_edges=cfg.age_bands,
-                                   min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples,
+                                   min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
                                    seed=cfg.seed)}
+
+
+def drop_verdict(drop: dict, dataset: str | None, *, too_few: str | None = None) -> dict:
+    """What the drop's CI says (``verdict``: "too few", "undefined", "lower", "higher", "no difference
+    shown"), with its words (``verdict_text``): decided here, stored in the record, rendered by the report.
+    ``too_few``: the small-count rule's words for either test set (no CI, no verdict)."""
+    ci = drop.get("ci")
+    if drop.get("diff") is None:
+        return {"verdict": "undefined", "verdict_text": "undefined: one class in a test set"}
+    if too_few:
+        return {"verdict": "too few", "verdict_text": f"{too_few}: no CI, no verdict"}
+    if ci is None:
+        return {"verdict": "no CI", "verdict_text": "no CI"}
+    if ci[0] > 0:
+        return {"verdict": "lower", "verdict_text": f"lower on {dataset} (95% CI of the drop above 0)"}
+    if ci[1] < 0:
+        return {"verdict": "higher", "verdict_text": f"higher on {dataset} (95% CI of the drop below 0)"}
+    return {"verdict": "no difference shown", "verdict_text": "no difference shown (95% CI of the drop includes 0)"}
 
 
 def _counts(y: np.ndarray, patients: np.ndarray) -> dict:
     pos = positives(y, patients)
     return {"n_pos": pos["images"], "n_neg": int((y == 0).sum()), "n_unknown": int(np.isnan(y).sum()),
-            "n_pos_patients": pos["patients"]}
+            "n_pos_patients": pos["patients"], "n_neg_patients": int(np.unique(np.asarray(patients)[y == 0]).size)}
 
 
 def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: list[str], patients: list[str],

@@ -42,7 +42,10 @@ def limitations_of(ctx: dict[str, Any]) -> list[str]:
     undefined = [r.display for r in ctx["rows"] if r.ours is None]
     if undefined:
         out.append(f"No test AUROC for {', '.join(undefined)}: a single class in the test split.")
-    weak = [r.display for r in ctx["rows"] if r.ci_low is not None and r.ci_low <= 0.5]
+    few = [f"{r.display} ({r.too_few})" for r in ctx["rows"] if r.too_few]
+    if few:
+        out.append(f"AUROC without a CI, too few patients: {'; '.join(few)}.")
+    weak = [r.display for r in ctx["rows"] if r.vs_chance in ("includes", "below")]
     if weak:
         out.append(f"The AUROC CI includes chance (0.5) or lies below it for {', '.join(weak)}.")
     roc = ctx["roc"]
@@ -117,6 +120,7 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
                                  *((published.CHEXNET_AUROC, published.WANG2017_AUROC) if metrics.get("published_comparable")
                                    else ({}, {}))),
         "has_ci": any(r.ci_low is not None for r in rows),
+        "min_patients": metrics.get("min_patients"),
         "roc": roc,
         "calibration": calibration_view(metrics, predictions, labels),
         "subgroups": analyses.subgroup_view(metrics),
