@@ -317,8 +317,8 @@ def evaluation_inputs(wildcards):
     source = STUDY.sources.get(ds)
     files = _registry.get(ds).evaluation_files(source_of(ds), boxes=source.boxes if source else True)
     files = {k: f"data/raw/{ds}/{f.name}" for k, f in files.items()}
-    if _registry.get(ds).folder:  # a folder dataset's split table holds the subgroups' fields
-        files["label_table"] = f"data/shards/{ds}/splits.csv"
+    if label_table_of(ds):
+        files["label_table"] = label_table_of(ds)
     return {**finetune_inputs(wildcards), **files}
 
 
@@ -330,7 +330,8 @@ def box_frame(dataset):
 
 
 def evaluation_args(wildcards, input):
-    """Params function: `--label-table`, `--boxes`/`--box-frame` for the inputs evaluate_model has."""
+    """Params function: `--label-table`, `--boxes`/`--box-frame` for the inputs evaluate_model (and
+    evaluate_external) has."""
     args = [f"--label-table {input.label_table}"] if "label_table" in input.keys() else []
     if "boxes" in input.keys():
         args.append(f"--boxes {input.boxes} --box-frame {box_frame(FINETUNE_DATASET)}")
@@ -342,8 +343,20 @@ def external_dir(dataset):
     return f"results/external/{dataset}"
 
 
-def external_manifest(wildcards):
-    return manifest(wildcards.dataset)
+def label_table_of(ds):
+    """The table of a dataset's sex, age and view (subgroups): a folder dataset's split table, else its
+    release's label file where it has one (None: no subgroups)."""
+    if _registry.get(ds).folder:
+        return f"data/shards/{ds}/splits.csv"
+    files = _registry.get(ds).evaluation_files(source_of(ds), boxes=False)
+    return f"data/raw/{ds}/{files['label_table'].name}" if "label_table" in files else None
+
+
+def external_inputs(wildcards):
+    """Named inputs of evaluate_external besides the internal evaluation: the external set's manifest and
+    its label table (subgroups)."""
+    table = label_table_of(wildcards.dataset)
+    return {"manifest": manifest(wildcards.dataset), **({"label_table": table} if table else {})}
 
 
 def external_targets():

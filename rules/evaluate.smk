@@ -44,13 +44,14 @@ rule evaluate_model:
 # External validation (evaluate.external): the evaluated model on another dataset's test split, for the
 # findings both share (chexflow.data.labelmap), beside the internal test: AUROC per finding with its patient
 # bootstrap CI on each test set, and the drop with a CI from independent bootstraps of the two (they share no
-# patient). The model must be the one the internal record was made with (its run id).
+# patient). The model must be the one the internal record was made with (its run id). The external set's
+# matched findings get the internal audits too: calibration, and AUROC by subgroup from its label table.
 rule evaluate_external:
     input:
+        unpack(external_inputs),
         model=rules.evaluate_model.output.model,
         metrics=rules.evaluate_model.output.metrics,
         predictions=rules.evaluate_model.output.predictions,
-        manifest=external_manifest,
     output:
         metrics="results/external/{dataset}/metrics.json",
         predictions="results/external/{dataset}/predictions.csv",
@@ -64,7 +65,8 @@ rule evaluate_external:
     params:
         cfg=stage_json("evaluate"),
         out_dir=output_dir,
+        extra=evaluation_args,
     shell:
         "chexflow evaluate-external --config-json {params.cfg:q} --model {input.model}"
         " --manifest {input.manifest} --internal-metrics {input.metrics}"
-        " --internal-predictions {input.predictions} --out-dir {params.out_dir} > {log} 2>&1"
+        " --internal-predictions {input.predictions} --out-dir {params.out_dir} {params.extra} > {log} 2>&1"

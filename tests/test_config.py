@@ -218,7 +218,7 @@ BAD = [
                                         r"layer4\); auto picks"),
     ({"ablation.seeds": []}, r"ablation\.seeds: \[\] lists no seed"),
     ({"evaluate.crop": 32}, r"evaluate\.crop: unknown key; known: age_bands, batch_size, bootstrap_resamples, "
-     r"calibration_bins, external, min_subgroup_count, min_val_positives, saliency, seed"),
+     r"calibration_bins, external, min_patients, min_val_positives, saliency, seed"),
     # scaling
     ({"scaling.world_sizes": [1, 1]}, r"scaling\.world_sizes: \[1, 1\] lists a value twice"),
     ({"scaling.world_sizes": [0, 2]}, r"scaling\.world_sizes\[0\]: 0 is not >= 1"),

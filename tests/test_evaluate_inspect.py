@@ -5,6 +5,7 @@ the report's new sections and the model card, also in the real headless Chromium
 from __future__ import annotations
 
 import html as html_lib
+import itertools
 import json
 import subprocess
 import sys
@@ -14,7 +15,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from scipy.stats import binomtest
 from sklearn.metrics import average_precision_score, brier_score_loss, roc_auc_score, roc_curve
 
 from chexflow.data import nih
@@ -36,7 +36,7 @@ def evaluated(tmp_path_factory, request):
             state_dict=model.state_dict(), run_id="inspect0", stage="finetune", dataset="nih_demo", task="multilabel",
             labels=list(nih.LABELS), arch="resnet18", in_channels=1, crop=CROP, epoch=2, val_metric=0.5,
             val_metric_name="mean_auroc", config={"init": "random", "seed": 0}), root / "model.pt")
-        cfg = {"batch_size": 64, "bootstrap_resamples": 100, "seed": 0, "min_subgroup_count": 2,
+        cfg = {"batch_size": 64, "bootstrap_resamples": 100, "seed": 0, "min_patients": 2,
                "saliency": {"top_k": 2}}
         raw = root / "raw"
         proc = subprocess.run(
@@ -128,15 +128,29 @@ def test_localisation_scores_every_boxed_positive_of_the_test_split(evaluated):
         assert mine.loc[mine["no_saliency"].astype(bool), "hit"].isna().all()     # no saliency: neither hit nor miss
         if len(pointed):
             assert e["random_point"] == pytest.approx(pointed["random_point"].mean(), abs=1e-5)
-            hit = pointed["hit"].astype(str) == "True"
-            centre = pointed["centre_hit"].astype(str) == "True"
-            b, c = int((hit & ~centre).sum()), int((~hit & centre).sum())
-            mcnemar = binomtest(b, b + c, 0.5, alternative="greater").pvalue if b + c else 1.0
-            pmf = np.array([1.0])               # Poisson-binomial by convolution, one map at a time
-            for share in pointed["random_point"]:
-                pmf = np.convolve(pmf, [1.0 - share, share])
-            assert e["discordant"] == [b, c] and e["p_above_centre"] == pytest.approx(mcnemar)
-            assert e["p_above_random"] == pytest.approx(pmf[e["hits"]:].sum(), rel=1e-4, abs=1e-12)
+            # patients are the unit: per patient its share of hits, the centre's, a random point's
+            per = pd.DataFrame({"patient": pointed["patient"].astype(str), "h": pointed["hit"].astype(str) == "True",
+                                "e": pointed["centre_hit"].astype(str) == "True",
+                                "c": pointed["random_point"]}).groupby("patient").mean()
+            d = (per["h"] - per["e"]).to_numpy()
+            d = d[d != 0]
+            assert e["n_patients"] == len(per) and e["unit"] == "patient"
+            if e["verdict"] == "too few":             # the small-count rule: no test, no verdict
+                assert len(per) < m["min_patients"] and e["p_above"] is None and e["discordant"] is None
+                continue
+            assert e["discordant"] == [int((per["h"] > per["e"]).sum()), int((per["h"] < per["e"]).sum())]
+            if 0 < d.size <= 12:                # the sign-flip test by enumeration of every sign pattern
+                sums = np.array([np.dot(d, signs) for signs in itertools.product((1, -1), repeat=d.size)])
+                assert e["p_above_centre"] == pytest.approx(np.mean(sums >= d.sum() - 1e-12))
+            if (pointed.groupby("patient").size() == 1).all():
+                pmf = np.array([1.0])               # Poisson-binomial by convolution, one map at a time
+                for share in pointed["random_point"]:
+                    pmf = np.convolve(pmf, [1.0 - share, share])
+                assert e["p_above_random"] == pytest.approx(pmf[e["hits"]:].sum(), rel=1e-4, abs=1e-12)
+            elif per["h"].mean() > per["c"].mean():    # Hoeffding's bound on the patients' mean hit share
+                a, b = per["h"].mean(), per["c"].mean()
+                kl = a * np.log(a / b) + ((1 - a) * np.log((1 - a) / (1 - b)) if a < 1 else 0.0)
+                assert e["p_above_random"] == pytest.approx(np.exp(-len(per) * kl), rel=1e-4)
             assert e["hits_range"][0] <= e["hits"] <= e["hits_range"][1]
     # the gallery's heatmaps point where localisation.csv says: the tied maximum nearest their centroid
     with np.load(evaluated / "evaluate" / "saliency.npz", allow_pickle=False) as z:
@@ -166,9 +180,11 @@ def _underdiagnosis_by_hand(root: Path) -> dict:
     threshold has no finding the call could flag: set aside)."""
     m = _metrics(root)
     pred = pd.read_csv(root / "evaluate" / "predictions.csv", dtype={"patient": str})
-    thr = {lab: e["threshold_val_youden"] for lab, e in m["labels"].items() if "threshold_val_youden" in e}
-    pred["finding"] = (pred[list(thr)] == 1).any(axis=1)      # the findings the call uses: truth and call alike
-    pred["called_none"] = np.logical_and.reduce([pred[f"{lab}_score"] < t for lab, t in thr.items()])
+    call = m["underdiagnosis"]["call"]          # chosen on validation: the highest score of its findings below it
+    used = call["findings"]
+    assert used == [lab for lab, e in m["labels"].items() if "threshold_val_youden" in e]
+    pred["finding"] = (pred[used] == 1).any(axis=1)      # the findings the call uses: truth and call alike
+    pred["called_none"] = pred[[f"{lab}_score" for lab in used]].max(axis=1) < call["threshold"]
     table = pd.read_csv(root / "raw" / nih.LABEL_CSV_NAME).set_index("Image Index")
     pred["sex"] = table.loc[pred["image"], "Patient Gender"].map({"M": "male", "F": "female"}).to_numpy()
     out = {}
@@ -272,7 +288,7 @@ def test_new_sections_render_in_headless_chromium(evaluated, tmp_path):
     assert len(_table(dom, "localisation-table")["tbody"]) == len(m["localisation"]["labels"]) and scored
     assert len(_table(dom, "calibration-table")["tbody"]) == 14
     und = m["underdiagnosis"]
-    shown = 1 + len(und["groups"]) + sum(c["patient"]["ci"] is not None for c in und["intersections"])
+    shown = 1 + len(und["groups"]) + sum(not c["too_few"] for c in und["intersections"])
     assert len(_table(dom, "underdiagnosis-table")["tbody"]) == shown
     assert len(_table(dom, "published-table")["tbody"]) == 7 and "XProtoNet" in dom
     assert 'alt="Grad-CAM of' in dom and 'alt="Reliability diagrams per label"' in dom

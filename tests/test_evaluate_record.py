@@ -185,3 +185,17 @@ def test_predictions_reader_refuses_an_image_listed_twice(tmp_path: Path):
     with pytest.raises(record.PredictionsRecordError, match=r"2 rows name an image another row names too "
                        r"\(first: 'a.png'\); each image is one row"):
         record.read_predictions(path, ["Nodule"])
+
+
+def test_predictions_reader_refuses_true_false_labels_and_blank_ids(tmp_path: Path):
+    """pandas reads a column of True/False as booleans, which count as numbers equal to 1 and 0: refused,
+    as is a row without a patient id (the bootstrap would pool every such image as one patient)."""
+    path = _table(tmp_path, lambda t: t.replace("a.png,1,0,", "a.png,1,False,").replace("b.png,2,1,", "b.png,2,True,")
+                  .replace("c.png,2,,", "c.png,2,False,"))
+    with pytest.raises(record.PredictionsRecordError, match=r"column 'Nodule' is not numeric \(labels are 0, 1 or "
+                       r"empty, never True/False\)"):
+        record.read_predictions(path, ["Nodule"])
+    path = _table(tmp_path, lambda t: t.replace("b.png,2,", "b.png,,").replace("c.png,2,", "c.png, ,"))
+    with pytest.raises(record.PredictionsRecordError, match=r"column 'patient': 2 row\(s\) without an id \(the "
+                       r"first: row 3 of the file\)"):
+        record.read_predictions(path, ["Nodule"])

@@ -153,8 +153,40 @@ def test_every_statistic_of_the_evaluation_counts_known_labels_only():
         e = male["labels"][lab]
         assert (e["n_pos"], e["n_neg"]) == ((ys == 1).sum(), (ys == 0).sum())
         assert e["auroc"] == pytest.approx(roc_auc_score(ys[known], ss[known]))
-    audit = underdiagnosis.audit(y, s, patients, labels, {"A": 0.5, "B": 0.5}, None, age_edges=(18, 40, 60, 80),
-                                 min_count=3, n_resamples=50, seed=0)
+    audit = underdiagnosis.audit(y, s, patients, labels, {"threshold": 0.5, "findings": labels}, None,
+                                 age_edges=(18, 40, 60, 80), min_patients=3, n_resamples=50, seed=0)
     has = (y == 1).any(axis=1)
     missed = (s < 0.5).all(axis=1)
+    normal = ~has                   # unknown is not positive: an image of NaN and 0 labels is normal
+    assert audit["overall"]["companion"]["n"] == normal.sum()
+    assert audit["overall"]["companion"]["k"] == (normal & missed).sum()
     assert audit["overall"]["image"]["n"] == has.sum() and audit["overall"]["image"]["missed"] == (has & missed).sum()
+
+
+def test_the_drop_verdict_is_the_evaluations_and_withheld_below_the_minimum():
+    """The issue's case: one external positive in 21 images, "lower" by a CI of the drop above zero. The
+    verdict is decided in chexflow.evaluate (stored in the record), withheld by the small-count rule;
+    the report renders the stored words and decides nothing."""
+    from chexflow.evaluate.external import drop_verdict
+    from chexflow.report import external_view
+    lower = {"diff": 0.3, "ci": [0.1, 0.5]}
+    assert drop_verdict(lower, "chexpert") == {"verdict": "lower",
+                                               "verdict_text": "lower on chexpert (95% CI of the drop above 0)"}
+    assert drop_verdict({"diff": -0.2, "ci": [-0.4, -0.01]}, "x")["verdict"] == "higher"
+    assert drop_verdict({"diff": 0.1, "ci": [-0.1, 0.3]}, "x")["verdict"] == "no difference shown"
+    assert drop_verdict({"diff": None, "ci": None}, "x")["verdict"] == "undefined"
+    few = drop_verdict({"diff": 0.4, "ci": None}, "chexpert", too_few="external: too few: 1 positive / 20 negative "
+                       "patients (5 of each needed)")
+    assert few == {"verdict": "too few", "verdict_text": "external: too few: 1 positive / 20 negative patients (5 of "
+                                                         "each needed): no CI, no verdict"}
+    side = {"auroc": 0.9, "ci": None, "n_pos": 1, "n_neg": 20, "n_unknown": 0, "too_few": "too few: 1 positive / 20 "
+            "negative patients (5 of each needed)"}
+    record = {"findings": [{"finding": "Pneumothorax", "external_label": "Pneumothorax", "internal": side,
+                            "external": side, "drop": {"diff": 0.4, "ci": None, **few}}],
+              "mean": {"findings": ["Pneumothorax"], "internal": 0.9, "external": 0.5, "drop": 0.4, "ci": None,
+                       "verdict": "no CI", "verdict_text": "no CI"},
+              "label_map": {"model_only": [], "data_only": []}, "n_images": 21, "n_patients": 21,
+              "bootstrap": {}}
+    view = external_view.external_view({"chexpert": record})
+    assert view[0]["rows"][0]["verdict"] == few["verdict_text"] and not view[0]["rows"][0]["lower"]
+    assert external_view.limitations(view) == []          # no "lower for Pneumothorax" from one positive

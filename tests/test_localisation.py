@@ -123,7 +123,7 @@ def test_a_hit_needs_a_maximum_in_the_box_and_the_hits_lie_in_their_range():
     heat[0, 0] = heat[9, 9] = 1.0
     got = L.score(heat, [(3.0, 3.0, 7.0, 7.0)])
     assert (got["hit"], got["n_tied"], got["n_tied_inside"], got["point"]) == (False, 2, 0, [0.5, 0.5])
-    summary = L.summarise([{**got, "no_saliency": False}])
+    summary = L.summarise([{**got, "no_saliency": False, "patient": "p0"}])
     assert summary["hits"] == 0 and summary["hits_range"] == [0, 0]
     # maps of few levels (many ties) and boxes at random: every map's hit lies between "all tied maxima
     # inside" and "one inside", so the finding's count lies in its range
@@ -138,18 +138,21 @@ def test_a_hit_needs_a_maximum_in_the_box_and_the_hits_lie_in_their_range():
         if r["no_saliency"]:
             continue
         assert (r["n_tied_inside"] == r["n_tied"]) <= r["hit"] <= (r["n_tied_inside"] > 0)
-        rows.append(r)
+        rows.append({**r, "patient": f"p{len(rows) % 40}"})
     summary = L.summarise(rows)
     assert summary["hits_range"][0] <= summary["hits"] <= summary["hits_range"][1] and summary["n_tied"] > 200
 
 
-def _rows(hits: int, misses: int, flat: int, *, random_point: float | list[float], centres: int) -> list[dict]:
+def _rows(hits: int, misses: int, flat: int, *, random_point: float | list[float], centres: int,
+          patients: list[str] | None = None) -> list[dict]:
+    """Maps (hits first, then misses, then flat ones); each its own patient unless ``patients`` says."""
     n = hits + misses
     share = random_point if isinstance(random_point, list) else [random_point] * n
+    who = patients or [f"p{k}" for k in range(n + flat)]
     rows = [{"hit": k < hits, "no_saliency": False, "n_tied": 1, "n_tied_inside": int(k < hits), "iobb": 0.5,
-             "random_point": share[k], "centre_hit": k < centres} for k in range(n)]
+             "random_point": share[k], "centre_hit": k < centres, "patient": who[k]} for k in range(n)]
     return rows + [{"hit": None, "no_saliency": True, "n_tied": 0, "n_tied_inside": 0, "iobb": 0.0,
-                    "random_point": 0.5, "centre_hit": False} for _ in range(flat)]
+                    "random_point": 0.5, "centre_hit": False, "patient": who[n + k]} for k in range(flat)]
 
 
 def _poisson_binomial_pmf(shares: list[float]) -> np.ndarray:
@@ -162,8 +165,9 @@ def _poisson_binomial_pmf(shares: list[float]) -> np.ndarray:
 
 def test_the_centre_is_a_paired_baseline_mcnemar_on_the_discordant_maps():
     """The issue's Emphysema: 16 of 19 maps hit, the centre 12 of the same 19 (every map the centre
-    hits, the heatmap hits too). As a known probability: binomtest p = 0.042, "above chance"; paired,
-    the 4 maps only the heatmap hits against the 0 only the centre hits: exact McNemar p = 1/16."""
+    hits, the heatmap hits too), one map per patient. As a known probability: binomtest p = 0.042,
+    "above chance"; paired, the 4 patients only the heatmap hits against the 0 only the centre hits:
+    the sign-flip over patients is McNemar's exact test, p = 1/16."""
     from scipy.stats import binomtest
     got = L.summarise(_rows(16, 3, 3, random_point=0.2, centres=12))
     assert (got["n"], got["n_no_saliency"], got["n_pointed"], got["hits"]) == (22, 3, 19, 16)
@@ -173,11 +177,9 @@ def test_the_centre_is_a_paired_baseline_mcnemar_on_the_discordant_maps():
     assert got["p_above_centre"] == pytest.approx(binomtest(4, 4, 0.5, alternative="greater").pvalue) == 0.0625
     assert got["p_above_random"] == pytest.approx(_poisson_binomial_pmf([0.2] * 19)[16:].sum())
     assert got["p_above"] == got["p_above_centre"] and got["verdict"] == "not distinguishable"
-    assert "(4 hit by the map only, 0 by the centre only), McNemar p = 0.0625" in got["verdict_text"]
-    z, p, n = 1.959963984540054, 16 / 19, 19               # Wilson by hand, over the 19 maps with saliency
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    assert got["ci"] == pytest.approx([centre - half, centre + half])
+    assert "the centre: 12/19 on the same maps, p = 0.0625 (sign-flip over patients)" in got["verdict_text"]
+    assert "unit: patients; 19 patients, 19 maps; one-sided, each at 0.025" in got["verdict_text"]
+    assert got["ci_interval"] == "patient bootstrap" and got["ci"][0] < 16 / 19 < got["ci"][1]
     # discordant both ways: the centre hits maps 0-2 (with the heatmap) and map 12 (which the heatmap misses)
     rows = _rows(12, 8, 0, random_point=0.1, centres=3)
     rows[12]["centre_hit"] = True
@@ -216,7 +218,7 @@ def test_one_two_sided_test_at_five_percent_and_the_other_verdicts():
     assert got["alpha"] == 0.05
     # few maps: even 5/5 against a 0.6 share gives 0.6 ** 5 = 0.078 >= 0.025
     few = L.summarise(_rows(4, 1, 0, random_point=0.6, centres=0))
-    assert few["verdict"] == "too few to tell" and "even 5/5 hits would not beat" in few["verdict_text"]
+    assert few["verdict"] == "too few to tell" and "even every map a hit would not beat" in few["verdict_text"]
     assert few["p_above_random"] == pytest.approx(_poisson_binomial_pmf([0.6] * 5)[4:].sum())
     # the centre hits 4 of 5: all 5 hit would leave 1 discordant map, p >= 1/2
     assert L.summarise(_rows(5, 0, 0, random_point=0.01, centres=4))["verdict"] == "too few to tell"
@@ -299,7 +301,7 @@ def test_subgroup_fields_are_checked_and_aurocs_match_scikit_learn(tmp_path):
     lo, hi = male["mean_ci"]
     assert lo < male["mean_auroc"] < hi
     b = male["labels"]["B"]
-    assert b["ci"] is None and ("too few patients for a CI" in b["note"] or b["note"] == "one class only")
+    assert b["ci"] is None and (b["note"].startswith("too few: ") or b["note"] == "one class only")
     unknown = next(g for g in groups if g["attribute"] == "sex" and g["group"] == "unknown")
     assert unknown["n_images"] == 1
     with pytest.raises(subgroups.SubgroupError, match="have no row"):
@@ -331,6 +333,57 @@ def test_subgroup_ci_rule_counts_patients_not_images(tmp_path):
     a, b = female["labels"]["A"], female["labels"]["B"]
     assert (a["n_pos"], a["n_pos_patients"], a["n_neg_patients"]) == (7, 1, n - 7)
     assert a["ci"] is None and a["auroc"] == pytest.approx(roc_auc_score(y[:, 0], s[:, 0]))
-    assert a["note"] == "too few patients for a CI (1 positive / 53 negative patients, 5 of each needed)"
+    assert a["note"] == "too few: 1 positive / 53 negative patients (5 of each needed)"
     assert (b["n_pos"], b["n_pos_patients"]) == (5, 5) and b["ci"] is not None and b["note"] == ""
     assert female["mean_labels"] == ["B"]
+
+
+def test_maps_cluster_by_patient_so_the_verdict_counts_patients():
+    """The issue's Pneumothorax shape: 28 maps of one patient all hit, one map each of 6 others all miss,
+    boxes covering a tenth of each map, the centre never in a box. Counted as 34 independent maps it is
+    28 hits against 3.4 expected (p ~ 1e-20). Per patient the hit shares are 1, 0, 0, 0, 0, 0, 0: mean 1/7
+    against 0.1, Hoeffding's bound exp(-7 KL(1/7 || 0.1)) = exp(-7 x 0.009134) = 0.938; the centre: one
+    patient differs, sign-flip p = 1/2. Not distinguishable, and the text names the unit and its counts."""
+    rows = _rows(28, 6, 0, random_point=0.1, centres=0, patients=["a"] * 28 + [f"b{k}" for k in range(6)])
+    got = L.summarise(rows, min_patients=5)
+    assert got["p_above_random"] == pytest.approx(0.93806, abs=1e-4) and got["p_above_centre"] == 0.5
+    assert got["verdict"] == "not distinguishable" and got["n_patients"] == 7 and got["unit"] == "patient"
+    assert "unit: patients; 7 patients, 34 maps" in got["verdict_text"]
+    assert got["test_random"] == "Hoeffding's bound on the mean of the patients' hit shares"
+    # 7 patients of 2 maps, every map a hit: 0.1 ** 7 against the random point, 2 ** -7 against the centre
+    both = L.summarise(_rows(14, 0, 0, random_point=0.1, centres=0, patients=[f"p{k // 2}" for k in range(14)]))
+    assert both["p_above_random"] == pytest.approx(1e-7) and both["p_above_centre"] == pytest.approx(1 / 128)
+    assert both["verdict"] == "above chance" and both["verdict_text"].startswith(
+        "the heatmap's peak falls in the box more often than a random point and than the image centre")
+    # 3 maps each, all missed, boxes covering 0.3: 10 patients give 0.7 ** 10 = 0.028 (not below at 0.025;
+    # as 30 independent maps it would be 0.7 ** 30 = 2e-5), 11 patients 0.7 ** 11 = 0.0198: below chance
+    ten = L.summarise(_rows(0, 30, 0, random_point=0.3, centres=0, patients=[f"p{k // 3}" for k in range(30)]))
+    assert ten["p_below"] == pytest.approx(0.7 ** 10) and ten["verdict"] == "not distinguishable"
+    eleven = L.summarise(_rows(0, 33, 0, random_point=0.3, centres=0, patients=[f"p{k // 3}" for k in range(33)]))
+    assert eleven["p_below"] == pytest.approx(0.7 ** 11) and eleven["verdict"] == "below chance"
+    assert "less often than a random point (unit: patients; 11 patients, 33 maps" in eleven["verdict_text"]
+    for word in ("because", "reaches its AUROC", "other cues"):
+        assert word not in eleven["verdict_text"]
+
+
+def test_below_the_minimum_of_patients_no_verdict_and_no_interval():
+    got = L.summarise(_rows(8, 0, 0, random_point=0.1, centres=0, patients=[f"p{k // 2}" for k in range(8)]),
+                      min_patients=5)
+    assert got["verdict"] == "too few" and got["verdict_text"] == "too few: 4 patients (5 needed), 8 maps: no verdict"
+    assert got["p_above"] is None and got["ci"] is None and got["mean_iobb_ci"] is None and got["hits"] == 8
+    assert got["too_few"] == "too few: 4 patients (5 needed)"
+
+
+def test_a_non_finite_pixel_is_refused_and_the_centre_uses_pixel_centres():
+    heat = np.zeros((10, 10))
+    heat[2, 3] = 1.0
+    for bad in (np.nan, np.inf):
+        broken = heat.copy()
+        broken[7, 7] = bad
+        with pytest.raises(L.SaliencyError, match=r"^img.png \(Mass\): 1 of 100 Grad-CAM pixels are NaN or infinite"):
+            L.score(broken, [(0.0, 0.0, 5.0, 5.0)], where="img.png (Mass)")
+    # a box smaller than a pixel around the image's corner point (5, 5) holds no pixel centre: share 0,
+    # and the centre (pixel 5, 5, its centre at 5.5) misses it too
+    tiny = L.score(heat, [(4.9, 4.9, 5.1, 5.1)])
+    assert tiny["random_point"] == 0.0 and tiny["centre_hit"] is False
+    assert L.score(heat, [(5.2, 5.2, 5.8, 5.8)])["centre_hit"] is True      # holds the centre pixel's centre

@@ -442,6 +442,7 @@ def test_model_file_alone_predicts_as_the_flags_do(study, tmp_path):
     # the record's thresholds are evaluation's, and its positives the validation positives they rest on
     info = load_model_file(study.packaged)
     metrics = json.loads(study.metrics.read_text())
+    assert metrics["published_comparable"] is True       # NIH's 14 findings: evaluation says CheXNet's apply
     record = info["predict"]
     assert record["thresholds"] == {k: v.get("threshold_val_youden") for k, v in metrics["labels"].items()}
     assert record["val_positives"] == {k: {"images": v["val_positives"], "patients": v["val_positive_patients"]}

@@ -19,7 +19,7 @@ LABELS = list(nih.LABELS)
 
 
 def _record() -> dict:
-    return predict_record(stored_size=40, mean=0.5, std=0.25, synthetic=True, dataset_title="phantoms",
+    return predict_record(stored_size=40, mean=0.5, std=0.25, synthetic=True, dataset_title="phantoms", decoding="grey",
                           thresholds={label: 0.1 * (k % 10) for k, label in enumerate(LABELS) if k != 3},
                           val_positives={label: {"images": k, "patients": k // 2} for k, label in enumerate(LABELS)},
                           min_val_positives=5, cam_layer=None, labels=LABELS)
@@ -50,7 +50,8 @@ CASES = [
     (lambda r: r.update(stored_size=0), "predict.stored_size 0 is not a side in px"),
     (lambda r: r.update(synthetic=1), "predict.synthetic is a int"),
     (lambda r: r.update(cam_layer=3), "predict.cam_layer is a int"),
-    (lambda r: r.update(format=2), "predict.format is 2; this chexflow reads predict format 1"),
+    (lambda r: r.update(format=1), "predict.format is 1; this chexflow reads predict format 2"),
+    (lambda r: r.update(decoding="bmp"), "predict.decoding 'bmp' is not a way of reading image files"),
     (lambda r: r["thresholds"].update(Unicorn=0.3), "predict.thresholds names label(s) the model does not have: "
                                                     "['Unicorn']"),
     (lambda r: r["thresholds"].pop(LABELS[0]), f"predict.thresholds lacks the model's label(s) ['{LABELS[0]}']"),

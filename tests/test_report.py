@@ -72,6 +72,7 @@ def _make_inputs(tmp_path: Path) -> dict:
         label_entries[lab] = entry
     defined = [e["auroc"] for e in label_entries.values() if e["auroc"] is not None]
     metrics = {"labels": label_entries, "mean_auroc": float(np.mean(defined)), "n_images": n, "n_patients": n_patients,
+               "published_comparable": True,    # NIH's 14 findings: evaluation says CheXNet's numbers apply
                "bootstrap": {"n_resamples": 1000, "seed": 0, "mean_auroc_ci": [0.70, 0.80]}}
     d = tmp_path / "in"
     d.mkdir()
@@ -250,6 +251,11 @@ def test_validation_operating_points(tmp_path: Path, inputs: dict):
             few = lab == "Atelectasis"          # its threshold rests on 12 positive images of 4 patients
             e.update(val_positives=12 if few else 30, val_positive_patients=4 if few else 20,
                      threshold_few_positives=few)
+            if few:     # each rate's interval over its denominator's patients, or the small-count rule's words
+                e["test_operating_point_intervals"] = {
+                    "sensitivity": {"ci": None, "too_few": "too few: 3 patients (5 needed)"},
+                    "specificity": {"ci": [0.41, 0.77], "too_few": None}, "ppv": {"ci": [0.2, 0.6], "too_few": None},
+                    "npv": {"ci": [0.7, 0.98], "too_few": None}, "f1": {"ci": [0.31, 0.71], "too_few": None}}
     m["min_val_positives"] = 10
     inputs["metrics_json"].write_text(json.dumps(m))
     out = tmp_path / "r.html"
@@ -259,8 +265,9 @@ def test_validation_operating_points(tmp_path: Path, inputs: dict):
     assert rows["tbody"][0][2] == "0.650 – 0.750"
     assert rows["tfoot"][0][2] == "0.700 – 0.800"
     ops = _table(html, "operating-points")["tbody"]
-    assert ops[0] == ["Atelectasis", "0.500", "0.800", "0.600", "0.400", "0.900", "0.533", "12 / 4", "few positives"]
-    assert ops[1][-2:] == ["30 / 20", ""]
+    assert ops[0] == ["Atelectasis", "0.500", "0.800too few: 3 patients (5 needed)", "0.6000.410-0.770",
+                      "0.4000.200-0.600", "0.9000.700-0.980", "0.5330.310-0.710", "12 / 4", "few positives"]
+    assert ops[1][-2:] == ["30 / 20", ""] and ops[1][2] == "0.800n/a"      # a record without intervals: none made up
     assert "fewer than 10 positive images or patients there (evaluate.min_val_positives): 1 of 14 are" in " ".join(html.split())
     assert ops[-1][0] == "Hernia" and ops[-1][1].startswith("n/a")
     assert "chosen on the validation set" in html and "optimistic" not in html

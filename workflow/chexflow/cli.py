@@ -172,7 +172,7 @@ def cmd_evaluate_external(args) -> None:
     from chexflow.evaluate.external import run
     cfg = _load(EvaluateConfig, args)
     res = run(cfg, model_path=args.model, manifest=args.manifest, internal_metrics=args.internal_metrics,
-              internal_predictions=args.internal_predictions, out_dir=args.out_dir)
+              internal_predictions=args.internal_predictions, out_dir=args.out_dir, label_table=args.label_table)
     for f in res["findings"]:
         ci = f["drop"]["ci"]
         drop = "undefined" if f["drop"]["diff"] is None else f"{f['drop']['diff']:+.4f}" + (
@@ -380,6 +380,7 @@ def _model_commands(sub) -> None:
     p.add_argument("--manifest", type=Path, required=True, help="the external dataset's manifest")
     p.add_argument("--internal-metrics", type=Path, required=True, help="the evaluation's metrics.json")
     p.add_argument("--internal-predictions", type=Path, required=True, help="the evaluation's predictions.csv")
+    p.add_argument("--label-table", type=Path, default=None, help="the external set's sex, age and view (subgroups)")
     p.add_argument("--out-dir", type=Path, required=True)
     p.set_defaults(func=cmd_evaluate_external)
 

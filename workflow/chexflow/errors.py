@@ -78,6 +78,7 @@ REFUSALS: dict[str, Refusal] = {
     "ResumeError": Refusal(6, "resume with the settings the checkpoint was written with, or delete the run's "
                               "checkpoints to start afresh"),
     "ModelError": Refusal(6, "use weights of the model.arch configured"),
+    "SaliencyError": Refusal(6, "the model's scores or gradients are not finite: check the model file"),
     "InitFileError": Refusal(6, "give init_file a torchvision-format state dict of the model.arch configured"),
     # input data
     "ManifestError": Refusal(7, _REWRITE),

@@ -27,7 +27,7 @@ REQUIRED = ("study", "shards", "pretrain", "finetune")
 # ShardConfig fields the workflow sets: the dataset (the section's name), a pilot subset of the
 # archives (datasets.<name>.archives), a folder dataset's image folder and a CSV dataset's declaration
 # (datasets.<name>); a dataset's own keys (train_parts, ...) only where its adapter has them (shard_options)
-_SHARD_SET_BY_WORKFLOW = ("dataset", "archives", "images", "table")
+_SHARD_SET_BY_WORKFLOW = ("dataset", "archives", "images", "table", "test_only")
 # a CSV-described dataset's name: a Snakemake wildcard value and a folder name
 CSV_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
@@ -153,16 +153,19 @@ def _datasets(config: Mapping[str, Any], p: Problems) -> tuple[dict[str, SourceC
 
 def folder_settings(study: Study, name: str) -> dict:
     """What the rules add to ``shards.<name>`` for a shard job of a folder dataset (as ``check_study`` did)."""
-    return _folder(name, study.sources, study.tables)
+    return _folder(name, study.sources, study.tables, study.evaluate.external)
 
 
-def _folder(name: str, sources: Mapping[str, SourceConfig], tables: Mapping[str, TableSpec]) -> dict:
+def _folder(name: str, sources: Mapping[str, SourceConfig], tables: Mapping[str, TableSpec],
+            external: Any = ()) -> dict:
     """What the workflow sets in ``shards.<name>`` of a folder dataset: the image folder (chexpert: its
-    mirror; a CSV dataset: its images) and a CSV dataset's declaration."""
+    mirror; a CSV dataset: its images), a CSV dataset's declaration, and ``test_only`` for one that only
+    ``evaluate.external`` uses (only its test split is sharded: no job reads the rest)."""
+    test_only = {"test_only": True} if isinstance(external, (list, tuple)) and name in external else {}
     if name in tables:
-        return {"images": tables[name].images, "table": dataclasses.asdict(tables[name])}
+        return {"images": tables[name].images, "table": dataclasses.asdict(tables[name]), **test_only}
     if registry.get(name).folder and sources.get(name) is not None:
-        return {"images": sources[name].mirror}
+        return {"images": sources[name].mirror, **test_only}
     return {}
 
 
@@ -180,7 +183,9 @@ def _shards(config: Mapping[str, Any], sources: Mapping[str, SourceConfig], tabl
         pilot = {}
         if "archives" in adapter.source_options() and source and p.ok(f"datasets.{name}.archives"):
             pilot = {"archives": source.archives}
-        cfg = p.build(ShardConfig, {**section, "dataset": name, **pilot, **_folder(name, sources, tables)}, key)
+        external = (config.get("evaluate") or {}).get("external") if isinstance(config.get("evaluate"), Mapping) else ()
+        cfg = p.build(ShardConfig, {**section, "dataset": name, **pilot, **_folder(name, sources, tables, external)},
+                      key)
         if cfg is not None:
             out[name] = cfg
     return out

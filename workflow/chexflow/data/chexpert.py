@@ -108,7 +108,9 @@ class CheXpert(Dataset):
         return Source(name=self.name, title="CheXpert (Stanford ML Group)", files=files, how_to_obtain=_HOW)
 
     def parts(self, cfg: ShardConfig, n_archives: int | None = None) -> list[str]:
-        return [*tables.part_names("train", cfg.train_parts), "valid"]
+        """``train_parts`` jobs over train.csv's patients and one for valid.csv; an external test set
+        (``test_only``): valid.csv's alone."""
+        return [*([] if cfg.test_only else tables.part_names("train", cfg.train_parts)), "valid"]
 
     def part_files(self, source: Source, part: str) -> list[RemoteFile]:
         return [source.file(VALID_CSV if part == "valid" else TRAIN_CSV)]
@@ -139,9 +141,16 @@ class CheXpert(Dataset):
         if len(dup):
             raise tables.TableError(f"{raw_dir}: image {dup.iloc[0]!r} is listed twice in train.csv/valid.csv "
                                     f"({len(dup)} such row(s))")
-        kept = tables.keep_views(both, cfg)
-        if len(kept) < len(both):
-            print(f"{self.name}: views: frontal leaves out {len(both) - len(kept)} lateral image(s)")
+        for table, t in ((TRAIN_CSV, train), (VALID_CSV, valid)):
+            line = tables.unread_ages(t["Age"], t["age"], t["_line"], raw_dir / table, "Age", self.name)
+            if line:
+                print(line)
+        kept = tables.keep_views(both[both["split"] == "test"] if cfg.test_only else both, cfg)
+        if cfg.test_only:
+            print(f"{self.name}: an external test set (evaluate.external): {VALID_CSV} alone, {len(valid)} image(s)")
+        lateral = (both["split"] == "test").sum() if cfg.test_only else len(both)
+        if len(kept) < lateral:
+            print(f"{self.name}: views: frontal leaves out {lateral - len(kept)} lateral image(s)")
         return tables.split_frame(kept, "image")
 
     def samples(self, raw_dir: Path, part: str, splits: pd.DataFrame, cfg: ShardConfig,
@@ -155,7 +164,8 @@ class CheXpert(Dataset):
                 part, "train", cfg.train_parts, self.name)]
         t = t[t["image"].isin(set(splits["image"]))].merge(splits[["image", "split"]], on="image")
         target = dict(zip(t["image"], t[list(LABELS)].to_numpy(np.float32)))
-        yield from tables.read_samples(t, cfg.images, Path(raw_dir) / name, cfg, report, target.__getitem__)
+        yield from tables.read_samples(t, cfg.images, Path(raw_dir) / name, cfg, report, target.__getitem__,
+                                       f"datasets.{self.name}.mirror")
 
     def decode(self, data: bytes, key: str, cfg: ShardConfig) -> np.ndarray:
         return tables.decode_any(data, key, cfg)

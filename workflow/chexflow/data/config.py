@@ -79,16 +79,21 @@ class ShardConfig:
     encoding: Literal["raw", "png"] = "raw"   # raw uint8 needs no decode when training
     val_fraction: float = setting(0.1, ge=0.0, lt=1.0)   # share of train(_val) patients carved out for validation
     split_seed: int = setting(0, ge=0)
-    max_reject_fraction: float = setting(0.001, ge=0.0, le=1.0)
+    # images that fail (missing, unreadable, over a bound below) as a share of the dataset's, beyond which
+    # the gather fails. 5%: one missing file of a 41-image export (2.4%) passes, each reject named in its
+    # shard log and counted in the manifest; the public releases set 0.001 in config.yaml
+    max_reject_fraction: float = setting(0.05, ge=0.0, le=1.0)
     # full release: listed images found in no archive (else an error)
     max_missing_fraction: float = setting(0.001, ge=0.0, le=1.0)
     train_parts: int = setting(16, ge=1, le=1000)   # imagenet only: shard jobs for the train archive (class ranges)
     archives: tuple[int, ...] | None = setting(None, **ARCHIVE_NUMBERS)   # nih: a pilot (datasets.nih.archives)
-    # archive datasets (nih*, imagenet: their shard_options): an archive member larger than this is a
-    # reject, skipped without being read; an image whose header declares more pixels is a reject, not
-    # decoded. The defaults fit chest X-ray releases (NIH: 1,024 px PNGs of 0.3-2 MB)
-    max_member_mb: float = setting(16.0, gt=0.0)
-    max_image_megapixels: float = setting(4.0, gt=0.0)
+    # an image file (archive member) larger than this is a reject, skipped without being read; an image
+    # whose header declares more pixels is a reject, not decoded (a 50,000 x 50,000 PNG never is). 64 MB
+    # and 64 MP take full-resolution CheXpert-v1.0 and DICOM as PACS exports it: a 43 x 43 cm detector at
+    # 0.1 mm is 4,300 x 4,300 px = 18.5 MP, 37 MB uncompressed at 16 bits (arithmetic, not measured);
+    # predict.max_image_megapixels is the same 64
+    max_member_mb: float = setting(64.0, gt=0.0)
+    max_image_megapixels: float = setting(64.0, gt=0.0)
     # label-table datasets (chexpert, csv): the uncertainty policy per finding ("default": the others),
     # what a blank (not mentioned) is, and which views are kept (frontal: lateral images left out)
     uncertain: dict[str, UncertainPolicy] = field(default_factory=lambda: {DEFAULT_POLICY: "ignore"})
@@ -100,6 +105,9 @@ class ShardConfig:
     # folder datasets (chexpert, csv): set by the workflow from datasets.<name> (mirror / images, the table)
     images: str | None = None
     table: TableSpec | None = None
+    # set by the workflow for a folder dataset only evaluate.external uses: its split keeps the test rows,
+    # and only they are sharded (CheXpert: valid.csv's job alone; a CSV folder: one job)
+    test_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,10 @@ class Dataset:
     # the images lie in a folder the shard jobs read (ShardConfig.images: the mirror, or a csv dataset's
     # image folder), only the label tables are downloaded; else they are in the release's archives
     folder: bool = False
+    # how ``chexflow predict`` reads an image file for a model fine-tuned on this dataset: a key of
+    # ``chexflow.data.tables.DECODINGS``, written into the model file (its ``predict.decoding``) so that
+    # the file alone says it, whether or not this process knows the dataset (a CSV-declared one)
+    decoding: str = "grey"
 
     @property
     def generated(self) -> bool:

@@ -62,6 +62,13 @@ def get(name: str) -> Dataset:
         raise UnknownSourceError(f"unknown dataset {name!r}; known datasets: {', '.join(adapters())}") from None
 
 
+def decoding_of(name: str) -> str:
+    """How image files are read for a model of dataset ``name`` (``tables.DECODINGS``): its adapter's, and
+    for a name this process does not list a CSV-described folder's (the only kind a config declares)."""
+    known = DATASETS.get(name) or DECLARED.get(name)
+    return known.decoding if known is not None else csv_folder.CSVFolder.decoding
+
+
 def get_source(name: str, *, n_archives: int | None = None) -> Source:
     """The source of dataset ``name``, as its adapter defines it.
 

@@ -359,8 +359,10 @@ def build_dataset(name: str, raw_dir: Path, out_dir: Path, cfg: ShardConfig, *,
 
 # --------------------------------------------------------------------------- gather
 
-def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg: ShardConfig) -> dict:
-    """How many of the images named in the split table were found in the gathered parts.
+def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg: ShardConfig,
+             rejected: set[str] = frozenset()) -> dict:
+    """How many of the images named in the split table were found in the gathered parts, and how many of
+    those were used (``n_used``: found less the ``rejected`` ones: unreadable, too large, not an image).
 
     Full release (``cfg.archives`` None): more than ``max_missing_fraction`` of the listed images
     found in no archive is a ``ShardError`` naming the count and examples. A declared pilot subset
@@ -390,6 +392,8 @@ def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg
             "parts": list(parts),
             "n_release_parts": len(release_parts),
             "n_listed": n_listed, "n_found": n_listed - n_missing, "n_missing": n_missing,
+            "n_rejected": (n_rejected := int(table["image"].isin(rejected).sum())),
+            "n_used": n_listed - n_missing - n_rejected,
             "missing_examples": examples, "per_split": per_split}
 
 
@@ -410,6 +414,7 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
     patients: dict[str, set] = defaultdict(set)
     labels = list(info.labels)
     found: set[str] = set()
+    rejected: set[str] = set()
     part_names: list[str] = []
     origin_of: dict[str, str] = {}
     duplicates: list[tuple[str, str, str]] = []
@@ -433,6 +438,7 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
         if list(m["labels"]) != labels:
             raise ShardError(f"{mpath}: its labels differ from the other parts' ({len(m['labels'])} vs {len(labels)})")
         n_rejects += len(m["rejects"])
+        rejected.update(str(r.get("image")) for r in m["rejects"] if isinstance(r, dict))
         found.update(m.get("listed_found", []))
         part_names.append(m.get("part", mpath.parent.name))
         for sh in m["shards"]:
@@ -454,7 +460,7 @@ def gather(name: str, part_manifests: list[Path], out_path: Path, cfg: ShardConf
         raise ShardError(f"{name}: patients shared between splits {overlap}")
     if n_rejects / max(n_images + n_rejects, 1) > cfg.max_reject_fraction:
         raise ShardError(f"{name}: {n_rejects} rejects exceed max_reject_fraction {cfg.max_reject_fraction}")
-    cover = coverage(name, Path(splits_csv), found, part_names, cfg) if splits_csv is not None else None
+    cover = coverage(name, Path(splits_csv), found, part_names, cfg, rejected) if splits_csv is not None else None
     for split, s in splits.items():
         s["n_patients"] = len(patients[split])
         s["n_shards"] = len(s["shards"])

@@ -65,13 +65,16 @@ def record_lines(data: bytes) -> tuple[int, list[tuple[int, int]]]:
     return len(header), out
 
 
-def read_table(path: Path | str, required: Sequence[str], *, what: str = "label table") -> pd.DataFrame:
+def read_table(path: Path | str, required: Sequence[str], *, what: str = "label table",
+               shown: Path | str | None = None) -> pd.DataFrame:
     """The CSV ``path`` as strings (blank cells: ""), header names stripped, with a ``_line`` column
-    (the line each row starts on); a missing required column or an unreadable file is a ``TableError``."""
-    path = Path(path)
-    if not path.exists():      # a FIFO or a device is refused by name when read
-        raise FileNotFoundError(f"{path}: {what} not found")
-    data = read_regular(path, max_bytes=MAX_TABLE_BYTES, what=what)
+    (the line each row starts on); a missing required column or an unreadable file is a ``TableError``.
+    ``shown``: the file messages name (a CSV dataset's table as the user gave it, not its copy)."""
+    try:
+        data = read_regular(path, max_bytes=MAX_TABLE_BYTES, what=what)   # a FIFO: "not a regular file"
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: {what} not found") from None
+    path = Path(shown or path)
     try:
         width, lines = record_lines(data)
         wrong = [(line, n) for line, n in lines if n != width]
@@ -164,12 +167,36 @@ def sexes(cells: pd.Series) -> pd.Series:
     return cells.str.lower().map(SEXES).fillna("")
 
 
+# DICOM's Age String (PS3.5 6.2, Patient's Age 0010,1010): three digits and a unit, as PACS exports write it
+DICOM_AGE = re.compile(r"^(\d{3})([DWMY])$")
+YEARS_PER = {"D": 1 / 365.25, "W": 7 / 365.25, "M": 1 / 12, "Y": 1.0}
+AGE_FORMATS = "years (45, 45.5), a top band (90+) or DICOM's nnnY/M/W/D (045Y, 006M)"
+
+
 def ages(cells: pd.Series) -> pd.Series:
-    """Ages in years as text ("" unknown): a number in 0..MAX_AGE; ``90+`` (a de-identified top
-    band) reads as its lower bound."""
-    years = pd.to_numeric(cells.str.rstrip("+").str.strip(), errors="coerce")
+    """Ages in years as text ("" unknown): a number of years, ``90+`` (a de-identified top band, read as
+    its lower bound) or DICOM's ``nnnY``/``M``/``W``/``D`` (``045Y`` 45, ``006M`` 0.5), in 0..MAX_AGE;
+    what else a cell holds is unknown (``unread_ages`` counts it)."""
+    text = cells.str.strip().str.upper()
+    dicom_age = text.str.extract(DICOM_AGE)
+    years = pd.to_numeric(text.str.removesuffix("+"), errors="coerce").where(~text.str.startswith("+"))
+    coded = dicom_age[0].astype(float) * dicom_age[1].map(YEARS_PER)
+    years = coded.where(dicom_age[0].notna(), years)
     years = years.where((years >= 0) & (years <= MAX_AGE))
-    return years.map(lambda v: "" if pd.isna(v) else f"{v:g}")
+    return years.map(lambda v: "" if pd.isna(v) else f"{round(v, 2):g}")
+
+
+def unread_ages(cells: pd.Series, read: pd.Series, lines: pd.Series, path: Path | str, column: str,
+                dataset: str) -> str | None:
+    """The split log's line on the ``cells`` of ``column`` that hold something ``ages`` did not read
+    (``read``: its result; ``lines``: each row's line): how many, the first and its line; None when every
+    filled cell was read."""
+    bad = (cells.str.strip() != "") & (read == "")
+    if not bad.any():
+        return None
+    first = bad.idxmax()
+    return (f"{dataset}: {int(bad.sum())} age(s) not read in {path}, column {column!r} (first: {cells[first]!r} on "
+            f"line {lines[first]}): in no age group; an age is {AGE_FORMATS}, 0 to {MAX_AGE} years")
 
 
 def views(cells: pd.Series) -> pd.Series:
@@ -231,13 +258,19 @@ def decode_any(data: bytes, key: str, cfg: ShardConfig) -> np.ndarray:
     return images.decode_grey(data, name=key, size=cfg.image_size, max_pixels=limit)
 
 
+# How an image file becomes a model's stored pixels, by the name a model file's ``predict.decoding``
+# gives (``Dataset.decoding``): "grey" is PNG/JPEG to 8-bit grey, DICOM through its modality and VOI
+# LUTs, the central square resized (PIL bilinear): the shard stage of NIH, CheXpert and CSV folders.
+DECODINGS: dict[str, Callable[[bytes, str, ShardConfig], np.ndarray]] = {"grey": decode_any}
+
+
 def read_samples(rows: pd.DataFrame, root: Path | str | None, table: Path | str, cfg: ShardConfig, report: Report,
-                 target_of: Callable[[str], np.ndarray]) -> Iterator[RawSample]:
+                 target_of: Callable[[str], np.ndarray], folder_key: str) -> Iterator[RawSample]:
     """(key, patient, split, target, bytes, origin) of ``rows`` (columns image, patient, split, _line;
     ``target_of(key)``), images read from ``root``; a file that cannot be read goes to ``report`` with
-    its line and the reason."""
+    its line and the reason. ``folder_key``: the setting that names ``root``, for the message without one."""
     if root is None:
-        raise ShardError(f"{table}: no image folder given (datasets.<name>.mirror / images)")
+        raise ShardError(f"{table}: no image folder given ({folder_key})")
     limit = images.million(cfg.max_member_mb)
     for image, patient, split, line in zip(rows["image"], rows["patient"], rows["split"], rows["_line"]):
         origin = f"{table}: line {line}"

@@ -26,9 +26,11 @@ class EvaluateConfig:
     min_val_positives: int = setting(10, ge=1)
     # subgroup edges in years, ascending (checked by chexflow.config): <18, 18-39, ..., >=80
     age_bands: tuple[int, ...] = setting((18, 40, 60, 80), ge=1, le=120, unique=True)
-    # a subgroup's AUROC gets a CI from this many positive and negative patients; an underdiagnosis
-    # rate from this many patients with a finding
-    min_subgroup_count: int = setting(5, ge=1)
+    # the one small-count rule (chexflow.evaluate.intervals.too_few): every statistic shown (a finding's
+    # AUROC, a subgroup's, an external drop, a rate at the operating point, an underdiagnosis cell, a
+    # localisation verdict) needs this many positive and negative patients (a rate: patients in its
+    # denominator); below it, "too few" with its counts, no CI, no verdict
+    min_patients: int = setting(5, ge=1)
     saliency: SaliencyConfig = field(default_factory=SaliencyConfig)
     # external validation: the fine-tuned model on the test split of each of these datasets, for the
     # findings both share (chexflow.data.labelmap), beside the internal test (chexflow.evaluate.external)

@@ -11,11 +11,16 @@ patient, so each is resampled on its own, as Zech et al. (PLOS Medicine 2018) co
 on its own hospital's and other hospitals' test sets. The internal CIs are those of the internal
 evaluation (the same resamples). Unknown labels (NaN, e.g. CheXpert's uncertain under ``ignore``) are
 left out of each finding's AUROC on that image.
+
+The external set gets the internal evaluation's audits of its matched findings, with the same functions and
+settings: each finding's calibration (beside the internal one, from the internal record) and, given the
+external set's label table, its AUROC by subgroup (sex, age band, view; ``evaluate.min_patients``).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -25,8 +30,10 @@ from chexflow.data import labelmap
 from chexflow.data.manifest import read_manifest, split_shards
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
-from chexflow.evaluate.metrics import independent_bootstrap_auroc_diff, positives
+from chexflow.evaluate import intervals, subgroups
+from chexflow.evaluate.metrics import calibration, independent_bootstrap_auroc_diff, positives
 from chexflow.evaluate.record import read_metrics, read_predictions, write_predictions
+from chexflow.evaluate.run import predict
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.train.checkpoint import load_model
 
@@ -35,12 +42,20 @@ STATISTIC = ("drop = internal AUROC - external AUROC; 95% CI: percentile bootstr
              "internal set - resample k of the external set")
 
 
+class TestSet(NamedTuple):
+    """One test set's matched findings: targets and scores ``[N, pairs]`` (the label map's pairs, in order)
+    and each image's patient (the unit of the bootstraps)."""
+    targets: np.ndarray
+    scores: np.ndarray
+    patients: np.ndarray
+
+
 def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metrics: Path,
-        internal_predictions: Path, out_dir: Path) -> dict:
+        internal_predictions: Path, out_dir: Path, label_table: Path | None = None) -> dict:
     """Evaluate ``model_path`` on the test split of ``manifest`` against the internal test
     (``internal_metrics``, ``internal_predictions``, the evaluation of the same model) into ``out_dir``:
-    ``metrics.json`` (the record), ``predictions.csv`` and ``auroc.csv``."""
-    from chexflow.evaluate.run import predict
+    ``metrics.json`` (the record), ``predictions.csv`` and ``auroc.csv``. ``label_table``: the external
+    set's table of sex, age and view (its split table, or NIH's label file) for the subgroup AUROCs."""
     internal = read_metrics(Path(internal_metrics))
     model_labels = list(internal["labels"])
     model, info = load_model(model_path, expect={"task": "multilabel", "labels": model_labels,
@@ -56,14 +71,15 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
                                  f"model's {model_labels} (chexflow.data.labelmap)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    s, y, patients, images = predict(model, split_shards(manifest, "test"), crop=info["crop"],
-                                     batch_size=cfg.batch_size, device=device)
+    scored = predict(model, split_shards(manifest, "test"), crop=info["crop"], batch_size=cfg.batch_size,
+                     device=device)
+    patients, images = scored.patients, scored.images
     ours = [model_labels.index(a) for a, _ in found.pairs]
     theirs = [list(m["labels"]).index(b) for _, b in found.pairs]
-    ext = (y[:, theirs], s[:, ours], np.asarray(patients))
+    ext = TestSet(scored.targets[:, theirs], scored.scores[:, ours], np.asarray(patients))
     pred = read_predictions(Path(internal_predictions), model_labels)
-    inner = (pred[[a for a, _ in found.pairs]].to_numpy(float), pred[[f"{a}_score" for a, _ in found.pairs]]
-             .to_numpy(float), pred["patient"].astype(str).to_numpy())
+    inner = TestSet(pred[[a for a, _ in found.pairs]].to_numpy(float),
+                    pred[[f"{a}_score" for a, _ in found.pairs]].to_numpy(float), pred["patient"].astype(str).to_numpy())
     if len(pred) != internal["n_images"]:
         raise ExternalInputError(f"{internal_predictions}: {len(pred)} rows, but {internal_metrics} counts "
                                  f"{internal['n_images']} test images: not the same evaluation")
@@ -71,6 +87,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
     stat = independent_bootstrap_auroc_diff(inner, ext, names, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     result = _record(cfg, m, manifest, found, stat, internal, ext, inner, info)
     result.update(n_images=int(len(images)), n_patients=int(len(set(patients))))
+    _audit(cfg, result, ext, names, images, label_table)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tables(out_dir, result, found, images, patients, ext)
@@ -79,41 +96,88 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
 
 
 def _record(cfg: EvaluateConfig, m: dict, manifest: Path, found: labelmap.Match, stat: dict, internal: dict,
-            ext: tuple, inner: tuple, info: dict) -> dict:
+            ext: TestSet, inner: TestSet, info: dict) -> dict:
     findings = []
+    name = m.get("dataset")
     for k, (ours, theirs) in enumerate(found.pairs):
         e = stat["labels"][ours]
-        findings.append({
-            "finding": ours, "external_label": theirs,
-            "internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner[0][:, k], inner[2])},
-            "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext[0][:, k], ext[2])},
-            "drop": {"diff": e["diff"], "ci": e["ci"], "p_le_0": e["p_le_0"],
-                     "n_resamples_used": e["n_resamples_used"]}})
+        sides = {"internal": {"auroc": e["a"], "ci": e["a_ci"], **_counts(inner.targets[:, k], inner.patients)},
+                 "external": {"auroc": e["b"], "ci": e["b_ci"], **_counts(ext.targets[:, k], ext.patients)}}
+        few = {side: intervals.too_few(c["n_pos_patients"], c["n_neg_patients"], cfg.min_patients)
+               for side, c in sides.items()}
+        for side, words in few.items():
+            sides[side].update(too_few=words, ci=None if words else sides[side]["ci"])   # the rule withholds the CI
+        drop = {"diff": e["diff"], "ci": e["ci"], "p_le_0": e["p_le_0"], "n_resamples_used": e["n_resamples_used"],
+                "n_resamples_dropped": e["n_resamples_dropped"]}
+        blocked = "; ".join(f"{side}: {w}" for side, w in few.items() if w)
+        if blocked:
+            drop.update(ci=None, p_le_0=None)
+        findings.append({"finding": ours, "external_label": theirs, **sides,
+                         "drop": {**drop, **drop_verdict(drop, name, too_few=blocked or None)},
+                         "calibration": {"internal": (internal["labels"][ours] or {}).get("calibration")}})
     return {"dataset": m.get("dataset"), "title": m.get("title"), "split_source": m.get("split_source"),
             "synthetic": bool(m.get("synthetic")), "manifest": str(manifest), "labelling": m.get("labelling"),
             "model_run_id": info["run_id"],
             "label_map": found.record(), "findings": findings,
             "mean": {"findings": stat["mean"]["labels"], "internal": stat["mean"]["a"], "external": stat["mean"]["b"],
                      "drop": stat["mean"]["diff"], "ci": stat["mean"]["ci"],
-                     "n_resamples_used": stat["mean"]["n_resamples_used"]},
+                     "n_resamples_used": stat["mean"]["n_resamples_used"],
+                     **drop_verdict({"diff": stat["mean"]["diff"], "ci": stat["mean"]["ci"]}, name)},
             "bootstrap": {"n_resamples": stat["n_resamples"], "seed": stat["seed"], "alpha": stat["alpha"],
                           "n_patients_internal": stat["n_patients_a"], "n_patients_external": stat["n_patients_b"],
                           "mean_rule": stat["rule"]},
             "statistic": STATISTIC}
 
 
+def _audit(cfg: EvaluateConfig, result: dict, ext: TestSet, names: list[str], images: list[str],
+           label_table: Path | None) -> None:
+    """The internal evaluation's calibration and subgroup audits on the external set's matched findings
+    (``evaluate.run``'s calls and settings), into ``result``: each finding's ``calibration`` beside the
+    internal one, and ``subgroups`` with a label table."""
+    for k, entry in enumerate(result["findings"]):
+        y = ext.targets[:, k]
+        known = ~np.isnan(y)
+        entry["calibration"]["external"] = (calibration(y, ext.scores[:, k], n_bins=cfg.calibration_bins)
+                                            if len(np.unique(y[known])) == 2 else None)
+    if label_table is not None:
+        fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
+        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients,
+                               "groups": subgroups.subgroup_aurocs(
+                                   ext.targets, ext.scores, ext.patients, names, fields, age_edges=cfg.age_bands,
+                                   min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
+                                   seed=cfg.seed)}
+
+
+def drop_verdict(drop: dict, dataset: str | None, *, too_few: str | None = None) -> dict:
+    """What the drop's CI says (``verdict``: "too few", "undefined", "lower", "higher", "no difference
+    shown"), with its words (``verdict_text``): decided here, stored in the record, rendered by the report.
+    ``too_few``: the small-count rule's words for either test set (no CI, no verdict)."""
+    ci = drop.get("ci")
+    if drop.get("diff") is None:
+        return {"verdict": "undefined", "verdict_text": "undefined: one class in a test set"}
+    if too_few:
+        return {"verdict": "too few", "verdict_text": f"{too_few}: no CI, no verdict"}
+    if ci is None:
+        return {"verdict": "no CI", "verdict_text": "no CI"}
+    if ci[0] > 0:
+        return {"verdict": "lower", "verdict_text": f"lower on {dataset} (95% CI of the drop above 0)"}
+    if ci[1] < 0:
+        return {"verdict": "higher", "verdict_text": f"higher on {dataset} (95% CI of the drop below 0)"}
+    return {"verdict": "no difference shown", "verdict_text": "no difference shown (95% CI of the drop includes 0)"}
+
+
 def _counts(y: np.ndarray, patients: np.ndarray) -> dict:
     pos = positives(y, patients)
     return {"n_pos": pos["images"], "n_neg": int((y == 0).sum()), "n_unknown": int(np.isnan(y).sum()),
-            "n_pos_patients": pos["patients"]}
+            "n_pos_patients": pos["patients"], "n_neg_patients": int(np.unique(np.asarray(patients)[y == 0]).size)}
 
 
 def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: list[str], patients: list[str],
-                  ext: tuple) -> None:
+                  ext: TestSet) -> None:
     cols: dict = {"image": images, "patient": patients}
     for k, (ours, theirs) in enumerate(found.pairs):
-        cols[ours] = ext[0][:, k]
-        cols[f"{ours}_score"] = ext[1][:, k]
+        cols[ours] = ext.targets[:, k]
+        cols[f"{ours}_score"] = ext.scores[:, k]
     write_predictions(out_dir / "predictions.csv", pd.DataFrame(cols))
     rows = [{"finding": f["finding"], "external_label": f["external_label"],
              **{f"{side}_{k}": v for side in ("internal", "external")

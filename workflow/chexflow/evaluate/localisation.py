@@ -19,16 +19,22 @@ Scores (Zhang et al. 2016; Wang et al. 2017, as CheXNet reports them):
   IoBB            area(reference box & detected box) / area(detected box), the detected box bounding
                   the largest connected region of the heatmap at or above HEATMAP_LEVEL x its maximum.
 Chance baselines, on the same maps: a random point (on a map, it hits with the share of the image its
-boxes cover) and the image centre (a pointing rule of its own). The verdict per finding is one test at
-level alpha, two-sided, split alpha / 2 per direction (:func:`pointing_verdict`):
-  above chance    the maps beat both baselines: the exact Poisson-binomial test against the random
-                  point (each map its own probability, scipy's ``poisson_binom``) and the exact
-                  McNemar test against the centre (the maps where exactly one of the two rules hits:
-                  scipy's ``binomtest`` at 1/2), each one-sided below alpha / 2. Both must hold (an
-                  intersection-union test), so the pair keeps level alpha / 2;
-  below chance    the maps hit less often than a random point (the Poisson-binomial's lower tail
-                  below alpha / 2): they avoid the finding. Hitting less often than the centre is no
-                  such sign (the centre rule knows where findings tend to lie) and is not tested.
+boxes cover, by pixel centres) and the image centre (the pixel holding the centre, by its centre: the
+rule hits use). The unit of every verdict is the patient: the maps of one patient (up to 28 in the
+demo) are not independent, so the tests take each patient's share of hits as one observation
+(:func:`pointing_verdict`), one test at level alpha, two-sided, alpha / 2 per direction:
+  above chance    the heatmap's peak falls in the box more often than both baselines: against a random
+                  point, Hoeffding's bound (Hoeffding 1963, Theorem 1) on the mean of the patients' hit
+                  shares, valid whatever the dependence between one patient's maps (the exact
+                  Poisson-binomial where every patient has one map); against the centre, the exact
+                  sign-flip test over patients of (the map's hit share - the centre's) on the same
+                  maps (scipy's ``permutation_test``; with one map per patient it is McNemar's exact
+                  test). Both one-sided below alpha / 2 (an intersection-union test);
+  below chance    the peak falls in the box less often than a random point's (the lower bound's tail
+                  below alpha / 2). Less often than the centre is no such sign (the centre rule knows
+                  where findings tend to lie) and is not tested.
+Fewer than ``min_patients`` patients: "too few" (``intervals.too_few``), no verdict. A verdict says what
+was measured, never why.
 numpy and scipy only, no torch.
 """
 from __future__ import annotations
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chexflow.evaluate.metrics import proportion_ci
+from chexflow.evaluate import intervals
 
 # the detected box: the heatmap at or above half its maximum (Wang et al. tried 60/255 to 180/255)
 HEATMAP_LEVEL = 0.5
@@ -76,8 +82,8 @@ def to_eval_frame(box: Sequence[float], frame: Frame) -> tuple[float, float, flo
     return float(x0), float(y0), float(x1), float(y1)
 
 
-def _inside(px: float, py: float, boxes: Sequence[tuple[float, float, float, float]]) -> bool:
-    return any(x0 <= px <= x1 and y0 <= py <= y1 for x0, y0, x1, y1 in boxes)
+class SaliencyError(ValueError):
+    """A heatmap that cannot be scored (a NaN or infinite pixel: the model's gradients are not finite)."""
 
 
 def box_mask(boxes: Sequence[tuple[float, float, float, float]], side: int) -> np.ndarray:
@@ -124,91 +130,143 @@ def pointing(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, flo
             "n_tied_inside": int(inside[rows, cols].sum()), "hit": bool(inside[rows[k], cols[k]])}
 
 
-def score(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, float]]) -> dict:
+def score(heatmap: np.ndarray, boxes: Sequence[tuple[float, float, float, float]], *, where: str = "a heatmap") -> dict:
     """Pointing game, IoBB and the chance baselines of one heatmap against one finding's boxes on one
     image (boxes in the heatmap's pixels). A flat heatmap points nowhere: ``no_saliency`` True, ``hit``
-    None (neither hit nor miss), IoBB 0."""
+    None (neither hit nor miss), IoBB 0. A non-finite pixel is refused (``SaliencyError`` naming ``where``):
+    it is a failure of the model, not a map without saliency."""
     side = heatmap.shape[0]
     if heatmap.shape != (side, side) or not boxes:
         raise ValueError(f"score needs a square heatmap and at least one box, got {heatmap.shape}, {len(boxes)} boxes")
-    flat = not np.isfinite(heatmap).all() or float(heatmap.max()) <= float(heatmap.min())
-    where = {"point": [None, None], "n_tied": 0, "n_tied_inside": 0, "hit": None} if flat else pointing(heatmap, boxes)
+    bad = int((~np.isfinite(heatmap)).sum())
+    if bad:
+        raise SaliencyError(f"{where}: {bad} of {heatmap.size} Grad-CAM pixels are NaN or infinite (the model's "
+                            "scores or gradients are not finite)")
+    flat = float(heatmap.max()) <= float(heatmap.min())
+    where_ = {"point": [None, None], "n_tied": 0, "n_tied_inside": 0, "hit": None} if flat else pointing(heatmap, boxes)
     det = None if flat else detected_box(heatmap)
-    return {**where, "no_saliency": bool(flat),
+    inside = box_mask(boxes, side)
+    return {**where_, "no_saliency": bool(flat),
             "iobb": 0.0 if det is None else max(iobb(b, det) for b in boxes),
-            "random_point": float(box_mask(boxes, side).mean()),
-            "centre_hit": bool(_inside(side / 2.0, side / 2.0, boxes))}
+            "random_point": float(inside.mean()),
+            "centre_hit": bool(inside[side // 2, side // 2])}      # the centre's pixel, by its centre, as hits
 
 
-def summarise(rows: Sequence[dict], *, alpha: float = 0.05, auroc_ci: Sequence[float] | None = None) -> dict:
-    """One finding's scores. Maps without saliency are counted apart (``n_no_saliency``); over the
-    others (``n_pointed``): hits, the hit rate with its Wilson CI, the chance baselines, the range of
-    hits any tie-breaking could give, mean IoBB, and the verdict (:func:`pointing_verdict`). ``elsewhere``:
-    the test AUROC's CI (``auroc_ci``) lies above 0.5 while the maps point at the finding significantly
-    less often than a random point: the AUROC rests on other cues."""
+def summarise(rows: Sequence[dict], *, min_patients: int = 1, n_resamples: int = 1000, seed: int = 0,
+              alpha: float = 0.05, auroc_ci: Sequence[float] | None = None) -> dict:
+    """One finding's scores (``rows``: :func:`score`'s, each with its ``patient``). Maps without saliency
+    are counted apart (``n_no_saliency``); over the others (``n_pointed``, of ``n_patients``): hits, the hit
+    rate and mean IoBB each with its interval by patients (``intervals``), the chance baselines, the range
+    of hits any tie-breaking could give, and the verdict (:func:`pointing_verdict`). ``elsewhere``: the
+    test AUROC's CI (``auroc_ci``) lies above 0.5 while the peak falls in the boxes less often than a
+    random point's: both measured, neither explains the other."""
     pointed = [r for r in rows if not r["no_saliency"]]
     k = len(pointed)
-    hits = int(sum(bool(r["hit"]) for r in pointed))
-    random_point = float(np.mean([r["random_point"] for r in pointed])) if k else None
-    centre = float(np.mean([r["centre_hit"] for r in pointed])) if k else None
-    out = {"n": len(rows), "n_no_saliency": len(rows) - k, "n_pointed": k, "hits": hits,
-           "hit_rate": hits / k if k else None, "ci": proportion_ci(hits, k, alpha=alpha),
-           "random_point": random_point, "centre_point": centre,
+    patients = np.asarray([r["patient"] for r in pointed], dtype=object)
+    hit = np.asarray([bool(r["hit"]) for r in pointed], bool)
+    boot = {"minimum": min_patients, "n_resamples": n_resamples, "seed": seed, "alpha": alpha}
+    rate = intervals.rate(hit, np.ones(k, bool), patients, **boot) if k else None
+    iobb_ = intervals.mean(np.asarray([r["iobb"] for r in pointed], float), patients, **boot) if k else None
+    out = {"n": len(rows), "n_no_saliency": len(rows) - k, "n_pointed": k, "hits": int(hit.sum()),
+           "n_patients": int(np.unique(patients).size) if k else 0,
+           "hit_rate": rate["rate"] if k else None, "ci": rate["ci"] if k else None,
+           "ci_interval": rate["interval"] if k else None, "too_few": rate["too_few"] if k else None,
+           "random_point": float(np.mean([r["random_point"] for r in pointed])) if k else None,
+           "centre_point": float(np.mean([r["centre_hit"] for r in pointed])) if k else None,
            "n_tied": sum(r["n_tied"] > 1 for r in pointed),
            "hits_range": [sum(r["n_tied_inside"] == r["n_tied"] for r in pointed),
                           sum(r["n_tied_inside"] > 0 for r in pointed)],
-           "mean_iobb": float(np.mean([r["iobb"] for r in pointed])) if k else None,
-           **pointing_verdict([bool(r["hit"]) for r in pointed], [bool(r["centre_hit"]) for r in pointed],
-                              [float(r["random_point"]) for r in pointed], alpha=alpha)}
+           "mean_iobb": iobb_["value"] if k else None, "mean_iobb_ci": iobb_["ci"] if k else None,
+           **pointing_verdict(patients, hit, [bool(r["centre_hit"]) for r in pointed],
+                              [float(r["random_point"]) for r in pointed], alpha=alpha, min_patients=min_patients,
+                              seed=seed)}
     out["elsewhere"] = bool(out["verdict"] == "below chance" and auroc_ci is not None and auroc_ci[0] > 0.5)
     return out
 
 
-def pointing_verdict(hit: Sequence[bool], centre_hit: Sequence[bool], share: Sequence[float], *,
-                     alpha: float = 0.05) -> dict:
-    """The verdict on the maps with saliency of one finding: ``hit[i]`` (the heatmap's point),
-    ``centre_hit[i]`` (the image centre's) and ``share[i]`` (the share of map i its boxes cover: a random
-    point's chance) per map. One test at level ``alpha``, two-sided, ``alpha / 2`` per direction:
+def _kl(a: float, b: float) -> float:
+    """Kullback-Leibler divergence of Bernoulli(a) from Bernoulli(b) (inf where b cannot give a)."""
+    from scipy.special import rel_entr
+    return float(rel_entr(a, b) + rel_entr(1.0 - a, 1.0 - b))
 
-    - ``p_above_random``: exact Poisson-binomial P(hits >= observed) of independent maps hit with
-      probability ``share[i]`` (scipy's ``poisson_binom``); ``p_below``: P(hits <= observed);
-    - ``p_above_centre``: the exact one-sided McNemar test against the centre rule on the same maps:
-      of the maps where exactly one of the two hits (``discordant``: heatmap only, centre only), the
-      heatmap's count against Binomial(n discordant, 1/2) (scipy's ``binomtest``); 1 without one;
-    - ``p_above`` = max(p_above_random, p_above_centre): above chance means above both (an
-      intersection-union test: level alpha / 2 without correction).
 
-    "above chance" when p_above < alpha / 2; "below chance" when p_below < alpha / 2; else "too few to
-    tell" when even all maps hit could not reach alpha / 2, else "not distinguishable". ``verdict_text``
-    says it with the numbers."""
-    from scipy.stats import binomtest, poisson_binom
+def _against_random(h: np.ndarray, c: np.ndarray, single: bool, hits: int, share: np.ndarray) -> tuple[float, float, str]:
+    """(p above, p below, the test's name) of the patients' hit shares ``h`` against a random point's ``c``."""
+    from scipy.stats import poisson_binom
+    if single:                                        # one map per patient: the maps are the patients
+        chance = poisson_binom(share)
+        return float(chance.sf(hits - 1)), float(chance.cdf(hits)), "exact Poisson-binomial, one map per patient"
+    n, mean_h, mean_c = h.size, float(h.mean()), float(c.mean())
+    bound = float(np.exp(-n * _kl(mean_h, mean_c)))
+    return (bound if mean_h > mean_c else 1.0, bound if mean_h < mean_c else 1.0,
+            "Hoeffding's bound on the mean of the patients' hit shares")
+
+
+def _sign_flip(d: np.ndarray, seed: int) -> float:
+    """One-sided p (greater) of the exact sign-flip test of the patients' differences ``d`` (scipy's
+    ``permutation_test``: exact up to 2 ** 16 sign patterns, else as many random ones)."""
+    from scipy.stats import permutation_test
+    d = d[d != 0]
+    if d.size < 2:                  # one patient's difference: its sign is + or - with 1/2 each
+        return 1.0 if d.size == 0 or d[0] < 0 else 0.5
+    res = permutation_test((d,), lambda x, axis: np.sum(x, axis=axis), permutation_type="samples",
+                           alternative="greater", n_resamples=2 ** 16, random_state=seed)
+    return float(res.pvalue)
+
+
+def pointing_verdict(patients: Sequence, hit: Sequence[bool], centre_hit: Sequence[bool], share: Sequence[float], *,
+                     alpha: float = 0.05, min_patients: int = 1, seed: int = 0) -> dict:
+    """The verdict on the maps with saliency of one finding, patients as the unit: per map its
+    ``patient``, ``hit`` (the heatmap's peak in a box), ``centre_hit`` (the centre's pixel in a box) and
+    ``share`` (the share of the map its boxes cover: a random point's chance). Per patient: its share of
+    hits ``h``, the centre's ``e``, the random point's ``c`` (means over its maps). One test at level
+    ``alpha``, two-sided, ``alpha / 2`` per direction (see the module):
+
+    - ``p_above_random`` / ``p_below``: ``exp(-P KL(mean h || mean c))`` on the side the mean lies
+      (Hoeffding 1963: independent patients, each share in [0, 1], any dependence within a patient), 1 on
+      the other; the exact Poisson-binomial where every patient has one map;
+    - ``p_above_centre``: the exact sign-flip test over patients of ``h - e`` (McNemar's exact test
+      where every patient has one map); ``discordant``: patients with ``h > e``, with ``h < e``;
+    - ``p_above`` = max of the two: above chance means above both.
+
+    Fewer than ``min_patients`` patients: "too few", no p. Else "above chance", "below chance", "too few
+    to tell" (even every map hit could not reach alpha / 2), or "not distinguishable". ``verdict_text``
+    names the unit, the level and the patients and maps it rests on."""
     hit, centre_hit = np.asarray(hit, bool), np.asarray(centre_hit, bool)
-    share = np.asarray(share, float)
-    n, hits, side = int(hit.size), int(hit.sum()), alpha / 2.0
-    if n == 0:
-        return {"p_above": None, "p_below": None, "p_above_random": None, "p_above_centre": None,
-                "discordant": None, "alpha": alpha, "verdict": "no saliency",
-                "verdict_text": "no map with saliency: nothing to test"}
-    chance = poisson_binom(share)
-    p_random, p_below = float(chance.sf(hits - 1)), float(chance.cdf(hits))
-    only_map, only_centre = int((hit & ~centre_hit).sum()), int((~hit & centre_hit).sum())
-    p_centre = (float(binomtest(only_map, only_map + only_centre, 0.5, alternative="greater").pvalue)
-                if only_map + only_centre else 1.0)
+    share, patients = np.asarray(share, float), np.asarray(patients, dtype=object)
+    side = alpha / 2.0
+    keys, pidx = np.unique(patients.astype(str), return_inverse=True) if hit.size else (np.empty(0), np.empty(0, int))
+    n_pat, n_maps, hits = int(keys.size), int(hit.size), int(hit.sum())
+    base = {"unit": "patient", "n_patients": n_pat, "level": side, "alpha": alpha, "p_above": None, "p_below": None,
+            "p_above_random": None, "p_above_centre": None, "discordant": None, "test_random": None,
+            "test_centre": "exact sign-flip over patients"}
+    if n_maps == 0:
+        return {**base, "verdict": "no saliency", "verdict_text": "no map with saliency: nothing to test"}
+    few = intervals.too_few(n_pat, None, min_patients)
+    if few:
+        return {**base, "verdict": "too few", "verdict_text": f"{few}, {n_maps} maps: no verdict"}
+    per = np.bincount(pidx, minlength=n_pat).astype(float)
+    h, e, c = (np.bincount(pidx, weights=v.astype(float), minlength=n_pat) / per for v in (hit, centre_hit, share))
+    single = bool((per == 1).all())
+    p_random, p_below, test = _against_random(h, c, single, hits, share)
+    p_centre = _sign_flip(h - e, seed)
     p_above = max(p_random, p_centre)
-    centre_hits = int(centre_hit.sum())
-    versus = (f"{hits}/{n} hits; a random point: {share.sum():.1f} expected, Poisson-binomial p = {p_random:.3g}; "
-              f"the centre: {centre_hits}/{n} on the same maps ({only_map} hit by the map only, {only_centre} by "
-              f"the centre only), McNemar p = {p_centre:.3g}")
-    best = max(float(np.prod(share)), 0.5 ** (n - centre_hits) if n > centre_hits else 1.0)   # all n maps hit
+    on = f"unit: patients; {n_pat} patients, {n_maps} maps; one-sided, each at {side:g}"
+    versus = (f"{hits}/{n_maps} maps hit; a random point: {share.sum():.1f} expected, p = {p_random:.3g} ({test}); "
+              f"the centre: {int(centre_hit.sum())}/{n_maps} on the same maps, p = {p_centre:.3g} (sign-flip over patients)")
+    best_random = float(np.prod(share)) if single else float(c.mean()) ** n_pat
+    best = max(best_random, 0.5 ** int((e < 1).sum()))              # every map of every patient a hit
     if p_above < side:
-        verdict, text = "above chance", f"points at the finding more often than chance ({versus}; each < {side:g})"
+        verdict, text = "above chance", (f"the heatmap's peak falls in the box more often than a random point and than "
+                                         f"the image centre ({on}: {versus})")
     elif p_below < side:
-        verdict, text = "below chance", (f"points at the finding less often than a random point ({hits}/{n} hits, "
-                                         f"{share.sum():.1f} expected; Poisson-binomial p = {p_below:.3g} < {side:g})")
+        verdict, text = "below chance", (f"the heatmap's peak falls in the box less often than a random point ({on}: "
+                                         f"{hits}/{n_maps} maps hit, {share.sum():.1f} expected; p = {p_below:.3g}, {test})")
     elif best >= side:
-        verdict, text = "too few to tell", (f"too few maps to tell: even {n}/{n} hits would not beat both the random "
-                                            f"point and the centre at p < {side:g} (smallest p {best:.3g})")
+        verdict, text = "too few to tell", (f"too few patients to tell: even every map a hit would not beat both the "
+                                            f"random point and the centre at p < {side:g} ({on}; smallest p {best:.3g})")
     else:
-        verdict, text = "not distinguishable", f"not distinguishable from chance at n = {n} ({versus})"
-    return {"p_above": p_above, "p_below": p_below, "p_above_random": p_random, "p_above_centre": p_centre,
-            "discordant": [only_map, only_centre], "alpha": alpha, "verdict": verdict, "verdict_text": text}
+        verdict, text = "not distinguishable", f"not distinguishable from chance ({on}: {versus})"
+    return {**base, "p_above": p_above, "p_below": p_below, "p_above_random": p_random, "p_above_centre": p_centre,
+            "discordant": [int((h > e).sum()), int((h < e).sum())], "test_random": test,
+            "verdict": verdict, "verdict_text": text}

@@ -27,6 +27,9 @@ __all__ = [
     "auroc_per_label",
     "mean_auroc",
     "patient_resample_counts",
+    "patient_draws",
+    "percentile_ci",
+    "auroc_columns",
     "bootstrap_auroc",
     "paired_bootstrap_auroc_diff",
     "paired_bootstrap_over_seeds",
@@ -38,7 +41,6 @@ __all__ = [
     "positives",
     "calibration",
     "precision_recall",
-    "proportion_ci",
 ]
 
 
@@ -98,6 +100,50 @@ def _mean_over_complete_resamples(per_label: np.ndarray) -> np.ndarray:
     return per_label[complete].mean(axis=1) if per_label.shape[1] else np.empty(0)
 
 
+def patient_draws(groups: Sequence[Any], n_resamples: int, seed: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``patient_resample_counts`` from ``default_rng(seed)``: the one stream every patient bootstrap of
+    chexflow draws from (a seed gives the same patients to every statistic of one test set)."""
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    return patient_resample_counts(groups, n_resamples, np.random.default_rng(seed))
+
+
+def percentile_ci(vals: np.ndarray, alpha: float = 0.05) -> list[float] | None:
+    """The percentile interval of the resamples' values (NaN: a resample where the statistic is undefined,
+    left out); None when none is defined."""
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    vals = np.asarray(vals, float)
+    vals = vals[~np.isnan(vals)]
+    if vals.size == 0:
+        return None
+    return [float(v) for v in np.percentile(vals, [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)])]
+
+
+def auroc_columns(y: np.ndarray, s: np.ndarray, counts: np.ndarray, patient_index: np.ndarray,
+                  chunk_size: int = 256) -> np.ndarray:
+    """AUROC ``[B, L]`` of each column of ``y``/``s`` in each resample ``counts`` [B, P] (NaN labels left
+    out; NaN where a resample holds one class): the loop every AUROC bootstrap goes through."""
+    out = np.full((counts.shape[0], y.shape[1]), np.nan)
+    for j in range(y.shape[1]):
+        known = ~np.isnan(y[:, j])
+        for b0 in range(0, counts.shape[0], chunk_size):
+            w = counts[b0:b0 + chunk_size][:, patient_index[known]].astype(np.float64)
+            out[b0:b0 + chunk_size, j] = _weighted_auroc_batch(y[known, j], s[known, j], w)
+    return out
+
+
+def _checked(y_true: np.ndarray, y_score: np.ndarray, groups: Sequence[Any], labels: Sequence[str], alpha: float
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    y_true, y_score = _check_2d(y_true, y_score, labels)
+    groups = np.asarray(groups)
+    if groups.shape[0] != y_true.shape[0]:
+        raise ValueError(f"groups has {groups.shape[0]} entries but there are {y_true.shape[0]} images")
+    return y_true, y_score, groups
+
+
 def bootstrap_auroc(y_true: np.ndarray, y_score: np.ndarray, groups: Sequence[Any], labels: Sequence[str], *,
                     n_resamples: int = 1000, seed: int = 0, alpha: float = 0.05,
                     chunk_size: int = 256) -> dict[str, Any]:
@@ -114,54 +160,26 @@ def bootstrap_auroc(y_true: np.ndarray, y_score: np.ndarray, groups: Sequence[An
     "n_resamples_used", "n_resamples_dropped", "rule"}, "mean_auroc_ci": [low, high], "n_resamples",
     "alpha", "seed", "n_patients", "n_images"}`` (CIs and the ``ci`` pairs are None when undefined).
     """
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
-    y_true, y_score = _check_2d(y_true, y_score, labels)
-    groups = np.asarray(groups)
-    if groups.shape[0] != y_true.shape[0]:
-        raise ValueError(f"groups has {groups.shape[0]} entries but there are {y_true.shape[0]} images")
+    y_true, y_score, groups = _checked(y_true, y_score, groups, labels, alpha)
     point = auroc_per_label(y_true, y_score, labels)
-    rng = np.random.default_rng(seed)
-    patient_index, counts = patient_resample_counts(groups, n_resamples, rng)
-
+    patient_index, counts = patient_draws(groups, n_resamples, seed)
+    defined = [j for j, label in enumerate(labels) if point[label] is not None]
     boot = np.full((n_resamples, len(labels)), np.nan)
-    for j, label in enumerate(labels):
-        if point[label] is None:
-            continue
-        known = ~np.isnan(y_true[:, j])
-        t, s, pidx = y_true[known, j], y_score[known, j], patient_index[known]
-        for b0 in range(0, n_resamples, chunk_size):
-            w = counts[b0:b0 + chunk_size][:, pidx].astype(np.float64)
-            boot[b0:b0 + chunk_size, j] = _weighted_auroc_batch(t, s, w)
-
-    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
-
-    def ci(vals: np.ndarray) -> tuple[float | None, float | None]:
-        vals = vals[~np.isnan(vals)]
-        if vals.size == 0:
-            return None, None
-        lo, hi = np.percentile(vals, q)
-        return float(lo), float(hi)
-
+    boot[:, defined] = auroc_columns(y_true[:, defined], y_score[:, defined], counts, patient_index, chunk_size)
     out_labels: dict[str, dict[str, Any]] = {}
     for j, label in enumerate(labels):
-        col = boot[:, j]
-        used = int((~np.isnan(col)).sum()) if point[label] is not None else 0
-        lo, hi = ci(col) if point[label] is not None else (None, None)
-        out_labels[label] = {"auroc": point[label], "ci_low": lo, "ci_high": hi,
-                             "ci": None if lo is None else [lo, hi],
+        used = int((~np.isnan(boot[:, j])).sum())
+        ci = percentile_ci(boot[:, j], alpha)
+        out_labels[label] = {"auroc": point[label], "ci_low": ci and ci[0], "ci_high": ci and ci[1], "ci": ci,
                              "n_resamples_used": used, "n_skipped": n_resamples - used}
-    defined = [j for j, label in enumerate(labels) if point[label] is not None]
     per_resample_mean = _mean_over_complete_resamples(boot[:, defined]) if defined else np.empty(0)
-    lo, hi = ci(per_resample_mean)
+    ci = percentile_ci(per_resample_mean, alpha)
     used = int(per_resample_mean.size)
     return {
         "labels": out_labels,
-        "mean_auroc": {"auroc": mean_auroc(point), "ci_low": lo, "ci_high": hi, "n_resamples_used": used,
-                       "n_resamples_dropped": n_resamples - used, "rule": MEAN_RULE},
-        "mean_auroc_ci": None if lo is None else [lo, hi],
+        "mean_auroc": {"auroc": mean_auroc(point), "ci_low": ci and ci[0], "ci_high": ci and ci[1],
+                       "n_resamples_used": used, "n_resamples_dropped": n_resamples - used, "rule": MEAN_RULE},
+        "mean_auroc_ci": ci,
         "n_resamples": n_resamples,
         "alpha": alpha,
         "seed": seed,
@@ -184,43 +202,24 @@ def paired_bootstrap_auroc_diff(y_true: np.ndarray, score_a: np.ndarray, score_b
     "mean_a", "mean_b", "n_resamples_used", "n_resamples", "alpha", "seed", "n_patients",
     "n_images", "labels_used", "labels": {L: {"diff", "a", "b", "ci", "n_resamples_used"}}, "rule"}``.
     """
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
-    y_true, score_a = _check_2d(y_true, score_a, labels)
+    y_true, score_a, groups = _checked(y_true, score_a, groups, labels, alpha)
     _, score_b = _check_2d(y_true, score_b, labels)
-    groups = np.asarray(groups)
-    if groups.shape[0] != y_true.shape[0]:
-        raise ValueError(f"groups has {groups.shape[0]} entries but there are {y_true.shape[0]} images")
     point_a = auroc_per_label(y_true, score_a, labels)
     point_b = auroc_per_label(y_true, score_b, labels)
     used = [j for j, lab in enumerate(labels) if point_a[lab] is not None and point_b[lab] is not None]
     if not used:
         raise ValueError("no label has both classes in y_true: the AUROC difference is undefined")
-    patient_index, counts = patient_resample_counts(groups, n_resamples, np.random.default_rng(seed))
-    diff = np.full((n_resamples, len(used)), np.nan)
-    for k, j in enumerate(used):
-        known = ~np.isnan(y_true[:, j])
-        t, pidx = y_true[known, j], patient_index[known]
-        for b0 in range(0, n_resamples, chunk_size):
-            w = counts[b0:b0 + chunk_size][:, pidx].astype(np.float64)
-            diff[b0:b0 + chunk_size, k] = (_weighted_auroc_batch(t, score_a[known, j], w)
-                                           - _weighted_auroc_batch(t, score_b[known, j], w))
+    patient_index, counts = patient_draws(groups, n_resamples, seed)
+    diff = (auroc_columns(y_true[:, used], score_a[:, used], counts, patient_index, chunk_size)
+            - auroc_columns(y_true[:, used], score_b[:, used], counts, patient_index, chunk_size))
     per_resample = _mean_over_complete_resamples(diff)
     mean_a = float(np.mean([point_a[labels[j]] for j in used]))
     mean_b = float(np.mean([point_b[labels[j]] for j in used]))
-    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
-
-    def ci(vals: np.ndarray) -> list[float] | None:
-        vals = vals[~np.isnan(vals)]
-        return [float(v) for v in np.percentile(vals, q)] if vals.size else None
-
     per_label = {labels[j]: {"diff": point_a[labels[j]] - point_b[labels[j]], "a": point_a[labels[j]],
-                             "b": point_b[labels[j]], "ci": ci(diff[:, k]),
+                             "b": point_b[labels[j]], "ci": percentile_ci(diff[:, k], alpha),
                              "n_resamples_used": int((~np.isnan(diff[:, k])).sum())}
                  for k, j in enumerate(used)}
-    return {"diff": mean_a - mean_b, "ci": ci(per_resample),
+    return {"diff": mean_a - mean_b, "ci": percentile_ci(per_resample, alpha),
             "p_le_0": float(np.mean(per_resample <= 0.0)) if per_resample.size else None,
             "mean_a": mean_a, "mean_b": mean_b, "n_resamples_used": int(per_resample.size),
             "n_resamples": n_resamples, "alpha": alpha, "seed": seed, "n_patients": int(counts.shape[1]),
@@ -247,18 +246,14 @@ def paired_bootstrap_over_seeds(y_true: np.ndarray, runs: Sequence[tuple[np.ndar
     if any(r["labels_used"] != used for r in per_seed):
         raise ValueError("the runs define the AUROC on different labels")
     cols = [labels.index(lab) for lab in used]
-    patient_index, counts = patient_resample_counts(groups, n_resamples, np.random.default_rng(seed))
+    patient_index, counts = patient_draws(groups, n_resamples, seed)
     total = np.zeros((n_resamples, len(cols)))
     for a, b in runs:
         _, a = _check_2d(y_true, a, labels)
         _, b = _check_2d(y_true, b, labels)
-        for k, j in enumerate(cols):
-            known = ~np.isnan(y_true[:, j])
-            w = counts[:, patient_index[known]].astype(np.float64)
-            total[:, k] += (_weighted_auroc_batch(y_true[known, j], a[known, j], w)
-                            - _weighted_auroc_batch(y_true[known, j], b[known, j], w))
+        total += (auroc_columns(y_true[:, cols], a[:, cols], counts, patient_index)
+                  - auroc_columns(y_true[:, cols], b[:, cols], counts, patient_index))
     per_resample = _mean_over_complete_resamples(total / len(runs))
-    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
     diffs = np.array([r["diff"] for r in per_seed])
     t_ci = None
     if len(diffs) > 1:
@@ -266,22 +261,9 @@ def paired_bootstrap_over_seeds(y_true: np.ndarray, runs: Sequence[tuple[np.ndar
         t_ci = [float(diffs.mean() - half), float(diffs.mean() + half)]
     return {"diff": float(diffs.mean()), "per_seed": diffs.tolist(),
             "sd": float(diffs.std(ddof=1)) if len(diffs) > 1 else None,
-            "ci": [float(v) for v in np.percentile(per_resample, q)] if per_resample.size else None,
+            "ci": percentile_ci(per_resample, alpha),
             "t_ci": t_ci, "n_seeds": len(runs), "n_resamples_used": int(per_resample.size),
             "n_resamples": n_resamples, "n_patients": int(counts.shape[1]), "labels_used": used, "rule": MEAN_RULE}
-
-
-def _bootstrap_columns(y: np.ndarray, s: np.ndarray, counts: np.ndarray, patient_index: np.ndarray,
-                       chunk_size: int = 256) -> np.ndarray:
-    """AUROC ``[B, L]`` of each column of ``y``/``s`` in each resample ``counts`` [B, P] (NaN labels left
-    out; NaN where a resample holds one class)."""
-    out = np.full((counts.shape[0], y.shape[1]), np.nan)
-    for j in range(y.shape[1]):
-        known = ~np.isnan(y[:, j])
-        for b0 in range(0, counts.shape[0], chunk_size):
-            w = counts[b0:b0 + chunk_size][:, patient_index[known]].astype(np.float64)
-            out[b0:b0 + chunk_size, j] = _weighted_auroc_batch(y[known, j], s[known, j], w)
-    return out
 
 
 def independent_bootstrap_auroc_diff(a: tuple[np.ndarray, np.ndarray, Sequence[Any]],
@@ -305,40 +287,33 @@ def independent_bootstrap_auroc_diff(a: tuple[np.ndarray, np.ndarray, Sequence[A
     "mean": {"a", "b", "diff", "ci", "labels", "n_resamples_used"}, "n_resamples", "seed", "alpha",
     "n_patients_a", "n_patients_b", "rule"}``; ``p_le_0``: the share of resamples with A - B <= 0.
     """
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
     sets = []
     for name, (y, s, groups), stream in (("A", a, seed), ("B", b, [seed, 1])):
         y, s = _check_2d(y, s, labels)
         groups = np.asarray(groups)
         if groups.shape[0] != y.shape[0]:
             raise ValueError(f"set {name}: {groups.shape[0]} patient ids but {y.shape[0]} images")
-        pidx, counts = patient_resample_counts(groups, n_resamples, np.random.default_rng(stream))
-        sets.append((auroc_per_label(y, s, labels), _bootstrap_columns(y, s, counts, pidx), counts.shape[1]))
+        pidx, counts = patient_draws(groups, n_resamples, stream)
+        sets.append((auroc_per_label(y, s, labels), auroc_columns(y, s, counts, pidx), counts.shape[1]))
     (point_a, boot_a, n_a), (point_b, boot_b, n_b) = sets
-    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
-
-    def ci(vals: np.ndarray) -> list[float] | None:
-        vals = vals[~np.isnan(vals)]
-        return [float(v) for v in np.percentile(vals, q)] if vals.size else None
-
     diff = boot_a - boot_b
     out_labels = {}
     for j, lab in enumerate(labels):
         defined = point_a[lab] is not None and point_b[lab] is not None
         d = diff[:, j][~np.isnan(diff[:, j])] if defined else np.empty(0)
-        out_labels[lab] = {"a": point_a[lab], "a_ci": ci(boot_a[:, j]) if point_a[lab] is not None else None,
-                           "b": point_b[lab], "b_ci": ci(boot_b[:, j]) if point_b[lab] is not None else None,
-                           "diff": point_a[lab] - point_b[lab] if defined else None, "ci": ci(d) if defined else None,
-                           "p_le_0": float(np.mean(d <= 0.0)) if d.size else None, "n_resamples_used": int(d.size)}
+        out_labels[lab] = {"a": point_a[lab], "a_ci": percentile_ci(boot_a[:, j], alpha) if point_a[lab] is not None
+                           else None, "b": point_b[lab],
+                           "b_ci": percentile_ci(boot_b[:, j], alpha) if point_b[lab] is not None else None,
+                           "diff": point_a[lab] - point_b[lab] if defined else None,
+                           "ci": percentile_ci(d, alpha) if defined else None,
+                           "p_le_0": float(np.mean(d <= 0.0)) if d.size else None, "n_resamples_used": int(d.size),
+                           "n_resamples_dropped": n_resamples - int(d.size)}
     used = [j for j, lab in enumerate(labels) if out_labels[lab]["diff"] is not None]
     mean_diff = _mean_over_complete_resamples(diff[:, used]) if used else np.empty(0)
     mean = {"labels": [labels[j] for j in used], "n_resamples_used": int(mean_diff.size),
             "a": float(np.mean([point_a[labels[j]] for j in used])) if used else None,
             "b": float(np.mean([point_b[labels[j]] for j in used])) if used else None,
-            "ci": ci(mean_diff)}
+            "ci": percentile_ci(mean_diff, alpha)}
     mean["diff"] = None if not used else mean["a"] - mean["b"]
     return {"labels": out_labels, "mean": mean, "n_resamples": n_resamples, "seed": seed, "alpha": alpha,
             "n_patients_a": int(n_a), "n_patients_b": int(n_b), "rule": MEAN_RULE}
@@ -436,13 +411,3 @@ def precision_recall(y_true: np.ndarray, y_score: np.ndarray) -> dict[str, Any]:
     precision, recall, _ = precision_recall_curve(t, s)
     return {"auprc": float(average_precision_score(t, s)), "prevalence": float(t.mean()),
             "precision": precision.tolist(), "recall": recall.tolist()}
-
-
-def proportion_ci(k: int, n: int, *, alpha: float = 0.05) -> list[float] | None:
-    """Wilson score interval of a proportion k/n (scipy); None for n = 0."""
-    from scipy.stats import binomtest
-    if n == 0:
-        return None
-    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=1.0 - alpha, method="wilson")
-    return [float(ci.low), float(ci.high)]
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from chexflow.data import registry
 from chexflow.data.augment import MEAN, STD
 from chexflow.data.manifest import read_manifest
 from chexflow.evaluate.predict_record import predict_problems, predict_record
@@ -21,15 +22,18 @@ class ModelFileInputError(ValueError):
 
 
 def record_of(result: dict, manifest: Path, labels: list[str]) -> dict:
-    """The predict record of the evaluation ``result`` (its metrics.json content) on ``manifest``."""
+    """The predict record of the evaluation ``result`` (its metrics.json content) on ``manifest``: what
+    reading an image file needs (the stored side, the dataset's decoding, the normalisation) and the
+    thresholds, so that a model of a dataset the predicting process does not know (a CSV-declared one)
+    predicts from the file alone."""
     m = read_manifest(Path(manifest))
-    for key, tp in (("image_size", int), ("synthetic", bool), ("title", str)):
+    for key, tp in (("image_size", int), ("synthetic", bool), ("title", str), ("dataset", str)):
         if isinstance(m.get(key), bool) is not (tp is bool) or not isinstance(m.get(key), tp):
             raise ModelFileInputError(f"{manifest}: {key!r} must be a {tp.__name__}, got {m.get(key)!r}")
     entries = result["labels"]
     return predict_record(
         stored_size=m["image_size"], mean=MEAN, std=STD, synthetic=m["synthetic"],
-        dataset_title=m["title"], labels=labels,
+        dataset_title=m["title"], decoding=registry.decoding_of(m["dataset"]), labels=labels,
         thresholds={label: entries[label].get("threshold_val_youden") for label in labels},
         val_positives={label: {"images": entries[label]["val_positives"],
                                "patients": entries[label]["val_positive_patients"]} for label in labels},

@@ -15,9 +15,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from chexflow.data.tables import DECODINGS
 from chexflow.train.checkpoint import ModelFileError
 
-PREDICT_FORMAT = 1
+PREDICT_FORMAT = 2      # 2: with ``decoding`` (a model of a CSV-declared dataset predicts without its declaration)
 
 # key -> type of the record (None allowed where the tuple holds type(None))
 PREDICT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -26,6 +27,7 @@ PREDICT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mean": float, "std": float,   # normalisation of the network input: (pixel / 255 - mean) / std
     "synthetic": bool,           # trained on synthetic data (the demo's phantoms): its scores mean nothing clinically
     "dataset_title": str,        # the training data, in words (the file's 'dataset' is its name)
+    "decoding": str,             # how an image file becomes stored pixels: a key of data.tables.DECODINGS
     "thresholds": dict,          # label -> probability chosen on validation (Youden's J), or None
     "val_positives": dict,       # label -> {"images": n, "patients": n}: the validation positives it rests on
     "min_val_positives": int,    # below this (images or patients) a threshold is flagged as resting on few
@@ -36,11 +38,11 @@ THRESHOLD_RULE = "finding when probability >= threshold (Youden's J on validatio
 
 
 def predict_record(*, stored_size: int, mean: float, std: float, synthetic: bool, dataset_title: str,
-                   thresholds: dict, val_positives: dict, min_val_positives: int, cam_layer: str | None,
-                   labels: list[str]) -> dict:
+                   decoding: str, thresholds: dict, val_positives: dict, min_val_positives: int,
+                   cam_layer: str | None, labels: list[str]) -> dict:
     """The record, checked against the model's ``labels`` as a reader checks it."""
     record = {"format": PREDICT_FORMAT, "stored_size": int(stored_size), "mean": float(mean), "std": float(std),
-              "synthetic": synthetic, "dataset_title": dataset_title,
+              "synthetic": synthetic, "dataset_title": dataset_title, "decoding": decoding,
               "thresholds": {label: None if thresholds.get(label) is None else float(thresholds[label])
                              for label in labels},
               "val_positives": {label: {k: int(v) for k, v in val_positives[label].items()} for label in labels},
@@ -72,6 +74,9 @@ def predict_problems(record: Any, labels: list[str]) -> list[str]:
         problems.append(f"predict.stored_size {record['stored_size']} is not a side in px")
     if not (math.isfinite(record["mean"]) and math.isfinite(record["std"]) and record["std"] > 0):
         problems.append(f"predict.mean/std ({record['mean']}, {record['std']}) is not a normalisation")
+    if record["decoding"] not in DECODINGS:
+        problems.append(f"predict.decoding {record['decoding']!r} is not a way of reading image files this chexflow "
+                        f"knows ({', '.join(DECODINGS)})")
     return problems + _per_label(record, "thresholds", labels, _threshold_problem) \
         + _per_label(record, "val_positives", labels, _positives_problem)
 

@@ -46,15 +46,21 @@ class LabelRecord(TypedDict, total=False):
     n_pos: int
     n_neg: int
     n_pos_patients: int
+    n_neg_patients: int
+    too_few: str | None                       # the small-count rule's words (intervals.too_few): ci withheld
+    ci_resamples_dropped: int                 # bootstrap resamples with one class of the finding
+    vs_chance: str | None                     # the CI against 0.5: above, includes, below (intervals.against_chance)
     chexnet: float | None
     auprc: float
     prevalence: float
     calibration: dict[str, Any]
+    score_intervals: dict[str, Any] | None    # intervals.score_intervals: AUPRC, Brier, ECE (None: too few)
     val_positives: int
     val_positive_patients: int
     threshold_few_positives: bool             # a validation threshold on few positives
     threshold_val_youden: float
     test_operating_point: dict[str, Any]
+    test_operating_point_intervals: dict[str, Any]    # intervals.operating_point_intervals
     operating_point_split: Split
 
 
@@ -185,12 +191,18 @@ def read_predictions(path: Path, labels: list[str]) -> pd.DataFrame:
         raise PredictionsRecordError(f"{path}: missing column(s) {missing}")
     for lab in labels:
         for col in (lab, f"{lab}_score"):
-            if not pd.api.types.is_numeric_dtype(df[col]):
-                raise PredictionsRecordError(f"{path}: column {col!r} is not numeric")
+            if not pd.api.types.is_numeric_dtype(df[col]) or pd.api.types.is_bool_dtype(df[col]):
+                raise PredictionsRecordError(f"{path}: column {col!r} is not numeric (labels are 0, 1 or empty, "
+                                             "never True/False)")
         _refuse_rows(path, df, lab, ~(df[lab].isin((0, 1)) | df[lab].isna()), "a label is 0, 1 or empty")
         score = df[f"{lab}_score"]
         _refuse_rows(path, df, f"{lab}_score", ~score.between(0, 1), "a score is a probability in [0, 1]")
         df[f"{lab}_score"] = score.astype(np.float32)
+    for col in ("image", "patient"):            # every statistic resamples patients: an id is never blank
+        blank = df[col].isna() | (df[col].astype(str).str.strip() == "")
+        if blank.any():
+            raise PredictionsRecordError(f"{path}: column {col!r}: {int(blank.sum())} row(s) without an id (the first: "
+                                         f"row {int(df.index[blank][0]) + 2} of the file)")
     twice = df["image"].duplicated(keep=False)
     if twice.any():
         raise PredictionsRecordError(f"{path}: {int(twice.sum())} rows name an image another row names too "

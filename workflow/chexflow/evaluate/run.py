@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 import torch
 
-from chexflow import watchdog
-from chexflow import host
+from chexflow import host, watchdog
 from chexflow.data import nih
 from chexflow.data.augment import gpu_augment
 from chexflow.data.loader import ShardStream, make_loader
 from chexflow.data.manifest import Alone, read_manifest, split_shards, verify_on_world
 from chexflow.data.stamps import StampStore
-from chexflow.evaluate import leakage, localisation, model_file, saliency, subgroups, underdiagnosis
+from chexflow.evaluate import intervals, leakage, localisation, model_file, saliency, subgroups, underdiagnosis
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
                                        precision_recall)
@@ -38,7 +38,17 @@ from chexflow.train.config import TrainConfig
 from chexflow.train.models import ieee_fp32
 
 
-def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+class Scored(NamedTuple):
+    """A model's scores on a split's images: float ``[N, labels]`` sigmoid scores and targets (NaN unknown),
+    each image's patient and name, in the shards' order."""
+    scores: np.ndarray
+    targets: np.ndarray
+    patients: list[str]
+    images: list[str]
+
+
+def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, device) -> Scored:
+    """The model's scores on ``shards`` (evaluation's preprocessing: the crop, no augmentation)."""
     stream = ShardStream(shards, rank=0, world=1, seed=0, batch_size=batch_size, shuffle=False)
     batches = make_loader(stream, batch_size=batch_size, workers=0, pin_memory=False)
     scores, targets, patients, images = [], [], [], []
@@ -51,7 +61,7 @@ def predict(model: torch.nn.Module, shards, *, crop: int, batch_size: int, devic
             targets.append(y.numpy().astype(np.float64))
             patients += [i.patient for i in ids]
             images += [i.image for i in ids]
-    return np.concatenate(scores), np.concatenate(targets), patients, images
+    return Scored(np.concatenate(scores), np.concatenate(targets), patients, images)
 
 
 def expected_run_ids(train_cfgs: list[TrainConfig], manifest: Path, pretrained: Path | None) -> set[str]:
@@ -109,8 +119,11 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     per_label = auroc_per_label(y, s, labels)
     boot = bootstrap_auroc(y, s, np.asarray(patients), labels, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     defined = [label for label in labels if per_label[label] is not None]
+    comparable = published_comparable(labels)
     result = {"labels": {}, "mean_auroc": mean_auroc(per_label), "mean_auroc_labels": defined,
-              "chexnet_mean_same_labels": CHEXNET.mean_over(defined), "n_images": int(len(images)),
+              "published_comparable": comparable,
+              "chexnet_mean_same_labels": CHEXNET.mean_over(defined) if comparable else None,
+              "n_images": int(len(images)),
               "n_patients": int(len(set(patients))), "model": str(model_path), "model_run_id": info["run_id"],
               "model_run_id_checked": expect_run_ids is not None, "test_split": test_split,
               "model_epoch": info.get("epoch"), "model_val_metric": info.get("val_metric"),
@@ -121,28 +134,27 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
                             "mean_resamples_used": boot["mean_auroc"]["n_resamples_used"],
                             "mean_rule": boot["mean_auroc"]["rule"]},
               "min_val_positives": cfg.min_val_positives, "calibration_bins": cfg.calibration_bins,
+              "min_patients": cfg.min_patients,
               # where the scores were computed, and where the model was trained (None: not recorded)
               "host": host.describe(), "training_host": info.get("host")}
     for j, label in enumerate(labels):
         result["labels"][label] = _label_entry(cfg, label, y[:, j], s[:, j], patients, val, j, per_label[label],
-                                               boot.get("labels", {}).get(label, {}).get("ci"))
-    if tuple(labels) != nih.LABELS:     # CheXNet's numbers are of ChestX-ray14's findings and test set
-        result["chexnet_mean_same_labels"] = None
-        for entry in result["labels"].values():
-            entry["chexnet"] = None
+                                               boot["labels"][label], comparable)
 
     fields = None
     if label_table is not None:
         fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
-        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_subgroup_count,
+        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients,
                                "groups": subgroups.subgroup_aurocs(
                                    y, s, np.asarray(patients), labels, fields, age_edges=cfg.age_bands,
-                                   min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples,
+                                   min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
                                    seed=cfg.seed)}
+    # the "no finding" call of the audit: chosen on validation, applied to test (underdiagnosis)
+    call = underdiagnosis.no_finding_operating_point(
+        val.targets, val.scores, val.patients, labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()})
     result["underdiagnosis"] = underdiagnosis.audit(
-        y, s, patients, labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()}, fields,
-        age_edges=cfg.age_bands, min_count=cfg.min_subgroup_count, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed,
-        images=images)
+        y, s, patients, labels, call, fields, age_edges=cfg.age_bands, min_patients=cfg.min_patients,
+        n_resamples=cfg.bootstrap_resamples, seed=cfg.seed, images=images)
     stored = int(read_manifest(Path(manifest)).get("image_size") or crop)
     heat = _saliency(cfg, model, info, labels, test, result, manifest=Path(manifest), crop=crop, stored=stored,
                      boxes=boxes, box_frame=box_frame, device=device) if heatmaps else _NO_HEATMAPS
@@ -157,23 +169,45 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
 
 # --------------------------------------------------------------------------- per finding
 
+def published_comparable(labels: list[str]) -> bool:
+    """Whether the published ChestX-ray14 numbers (CheXNet, Wang et al.) stand beside a model of ``labels``:
+    they are of NIH's 14 findings, so only a model of exactly those. Decided here, stored in the record
+    (``published_comparable``); the report reads it."""
+    return tuple(labels) == nih.LABELS
+
+
 def _label_entry(cfg: EvaluateConfig, label: str, yj: np.ndarray, sj: np.ndarray, patients: list[str],
-                 val: tuple, j: int, auroc: float | None, ci: list | None) -> LabelRecord:
-    """A finding's AUROC, CI, positives, AUPRC, calibration and its operating point (``record``)."""
+                 val: Scored, j: int, auroc: float | None, boot: dict, comparable: bool) -> LabelRecord:
+    """A finding's AUROC, CI, positives, AUPRC, calibration and its operating point (``record``), each
+    with its interval (``intervals``), under the small-count rule: below ``min_patients`` positive or
+    negative patients the CIs are withheld and ``too_few`` says why; CheXNet's AUROC of it where the
+    published numbers are ``comparable``."""
     known = ~np.isnan(yj)
     test_pos = positives(yj, patients)
+    pats = np.asarray(patients)[known]
+    n_neg_patients = int(np.unique(pats[yj[known] == 0]).size)
+    few = intervals.too_few(test_pos["patients"], n_neg_patients, cfg.min_patients) if auroc is not None else None
     entry: LabelRecord = {"auroc": auroc, "n_pos": test_pos["images"], "n_neg": int((yj[known] == 0).sum()),
-                          "n_pos_patients": test_pos["patients"], "ci": ci, "chexnet": CHEXNET.get(label)}
+                          "n_pos_patients": test_pos["patients"], "n_neg_patients": n_neg_patients, "too_few": few,
+                          "ci": None if few else boot["ci"], "ci_resamples_dropped": boot["n_skipped"],
+                          "vs_chance": None if few else intervals.against_chance(boot["ci"]),
+                          "chexnet": CHEXNET.get(label) if comparable else None}
     if len(np.unique(yj[known])) == 2:
         pr = precision_recall(yj, sj)
         entry.update(auprc=pr["auprc"], prevalence=pr["prevalence"],
                      calibration=calibration(yj, sj, n_bins=cfg.calibration_bins))
-    vs, vy, vpatients = val[0][:, j], val[1][:, j], val[2]
+        entry["score_intervals"] = None if few else intervals.score_intervals(
+            yj[known], sj[known], pats, n_bins=cfg.calibration_bins, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
+    vs, vy, vpatients = val.scores[:, j], val.targets[:, j], val.patients
     vknown = ~np.isnan(vy)
     vpos = positives(vy, vpatients)
     entry["val_positives"] = vpos["images"]
     entry["val_positive_patients"] = vpos["patients"]
     entry.update(choose_operating_point(vy[vknown], vs[vknown], yj[known], sj[known]))
+    if "test_operating_point" in entry and known.any():
+        entry["test_operating_point_intervals"] = intervals.operating_point_intervals(
+            yj[known], sj[known], pats, entry["test_operating_point"]["threshold"], minimum=cfg.min_patients,
+            n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     if entry.get("operating_point_split") == "validation":
         # the evidence the threshold rests on: images of one patient are not independent
         entry["threshold_few_positives"] = min(vpos["images"], vpos["patients"]) < cfg.min_val_positives
@@ -211,7 +245,7 @@ def _gallery_pairs(cfg: EvaluateConfig, labels: list[str], s: np.ndarray, y: np.
     return pairs
 
 
-def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: tuple, result: dict, *,
+def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: Scored, result: dict, *,
               manifest: Path, crop: int, stored: int, boxes: Path | None, box_frame: int | None, device) -> dict:
     """Grad-CAM of the gallery (top true/false positives) and of every test image with a reference box
     of a finding it is positive for; the pointing game and IoBB of the latter, per finding."""
@@ -220,7 +254,8 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     name, layer, side = saliency.choose_layer(model, crop=crop, in_channels=info["in_channels"],
                                               min_side=cfg.saliency.min_side, device=device, layer=cfg.saliency.layer)
     summary: dict = {"method": "Grad-CAM (Captum LayerGradCam)", "layer": name, "layer_side": side, "crop": crop,
-                     "level": localisation.HEATMAP_LEVEL, "tie_rtol": localisation.TIE_RTOL, "boxes": None, "labels": {}}
+                     "level": localisation.HEATMAP_LEVEL, "tie_rtol": localisation.TIE_RTOL, "boxes": None, "labels": {},
+                     "unit": "patient", "min_patients": cfg.min_patients}
     ref: dict[tuple[int, int], list] = {}
     if boxes is not None:
         frame = localisation.Frame(width=box_frame, height=box_frame, stored=stored, crop=crop)
@@ -247,7 +282,7 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     heat = dict(zip(pairs, maps))
     scored = []
     for (i, j), found in sorted(ref.items()):
-        row = localisation.score(heat[(i, j)], found)
+        row = localisation.score(heat[(i, j)], found, where=f"{images[i]} ({labels[j]})")
         scored.append({"image": images[i], "patient": patients[i], "label": labels[j], "score": float(s[i, j]),
                        **{k: row[k] for k in ("hit", "no_saliency", "n_tied", "n_tied_inside", "iobb", "random_point",
                                               "centre_hit")},
@@ -255,8 +290,9 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: t
     if boxes is not None:
         for j, label in enumerate(labels):
             if label in summary["boxes"]["findings"]:
-                summary["labels"][label] = localisation.summarise([r for r in scored if r["label"] == label],
-                                                                  auroc_ci=result["labels"][label]["ci"])
+                summary["labels"][label] = localisation.summarise(
+                    [r for r in scored if r["label"] == label], min_patients=cfg.min_patients,
+                    n_resamples=cfg.bootstrap_resamples, seed=cfg.seed, auroc_ci=result["labels"][label]["ci"])
     return {"summary": summary, "scored": scored, "gallery": gallery, "heat": heat, "inputs": inputs, "ref": ref}
 
 
@@ -265,7 +301,7 @@ _NO_HEATMAPS = {"summary": None, "scored": [], "gallery": [], "heat": {}, "input
 
 # --------------------------------------------------------------------------- files
 
-def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, heat: dict) -> None:
+def _write_tables(out_dir: Path, result: dict, labels: list[str], test: Scored, heat: dict) -> None:
     s, y, patients, images = test
     cols = {"image": images, "patient": patients}
     for j, label in enumerate(labels):
@@ -275,7 +311,7 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
     rows = [{"label": L, "auroc": result["labels"][L]["auroc"],
              "ci_low": (result["labels"][L]["ci"] or [None, None])[0],
              "ci_high": (result["labels"][L]["ci"] or [None, None])[1],
-             "chexnet": result["labels"][L]["chexnet"]} for L in labels]
+             "chexnet": result["labels"][L]["chexnet"], "too_few": result["labels"][L].get("too_few")} for L in labels]
     rows.append({"label": "mean", "auroc": result["mean_auroc"],
                  "ci_low": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[0],
                  "ci_high": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[1],
@@ -289,7 +325,8 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
          "val_positives": e["val_positives"],
          "val_positive_patients": e["val_positive_patients"],
          "threshold_few_positives": e.get("threshold_few_positives"),
-         **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")}}
+         **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")},
+         **_interval_columns(e)}
         for L, e in result["labels"].items()])
     _csv(out_dir / "subgroups.csv", [
         {"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
@@ -304,6 +341,16 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: tuple, h
         _write_gallery(out_dir / "saliency.npz", heat, labels, test)
 
 
+def _interval_columns(e: dict) -> dict:
+    """A finding's intervals as CSV columns: AUPRC, Brier, ECE and the rates at its operating point."""
+    si, op = e.get("score_intervals") or {}, e.get("test_operating_point_intervals") or {}
+    cols = {f"{k}_ci_{end}": (si.get(f"{k}_ci") or [None, None])[i] for k in ("auprc", "brier", "ece")
+            for i, end in enumerate(("low", "high"))}
+    cols.update({f"{k}_ci_{end}": ((op.get(k) or {}).get("ci") or [None, None])[i]
+                 for k in ("sensitivity", "specificity", "ppv", "npv") for i, end in enumerate(("low", "high"))})
+    return cols
+
+
 LOCALISATION_COLUMNS = ("image", "patient", "label", "score", "hit", "no_saliency", "point_x", "point_y", "n_tied",
                         "n_tied_inside", "iobb", "random_point", "centre_hit", "n_boxes")
 
@@ -313,7 +360,7 @@ def _csv(path: Path, rows: list[dict], columns: tuple[str, ...] | None = None) -
         pd.DataFrame(rows, columns=list(columns) if columns else None).to_csv(tmp, index=False, float_format="%.6g")
 
 
-def _write_gallery(path: Path, heat: dict, labels: list[str], test: tuple) -> None:
+def _write_gallery(path: Path, heat: dict, labels: list[str], test: Scored) -> None:
     """The gallery's inputs (normalised, as the model saw them), heatmaps and boxes (plain arrays and
     JSON text: the report reads them with ``allow_pickle=False``)."""
     s, y, patients, images = test

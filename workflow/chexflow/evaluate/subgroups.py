@@ -9,7 +9,8 @@ puts the image in no group of that attribute ("unknown", counted).
 A (subgroup, finding) gets a CI when at least ``min_count`` patients have a positive image of the
 finding in the group and at least ``min_count`` patients a negative one: the bootstrap resamples
 patients, so a cell of 7 positive images of one patient has one positive draw, not seven. A cell
-below the rule shows its AUROC without a CI and says why ("too few patients for a CI"); the AUROC is
+below the rule shows its AUROC without a CI and says why (``intervals.too_few``: "too few: 1 positive / 53
+negative patients (5 of each needed)"); the AUROC is
 still shown where both classes occur. A patient with positive and negative images counts on both sides.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from chexflow.evaluate.intervals import too_few
 from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc
 from chexflow.fsutil import read_regular
 
@@ -117,11 +119,11 @@ def _group(attr: str, group: str, y: np.ndarray, s: np.ndarray, patients: np.nda
         elif point[label] is None:
             why = "one class only"
         else:
-            why = (f"too few patients for a CI ({pos_pat[j]} positive / {neg_pat[j]} negative patients, "
-                   f"{min_count} of each needed)")
+            why = too_few(pos_pat[j], neg_pat[j], min_count)
         ci = boot["labels"][label]["ci"] if boot and not why else None
         entry["labels"][label] = {"auroc": point[label], "ci": ci, "n_pos": int(pos[j]), "n_neg": int(neg[j]),
-                                  "n_pos_patients": int(pos_pat[j]), "n_neg_patients": int(neg_pat[j]), "note": why}
+                                  "n_pos_patients": int(pos_pat[j]), "n_neg_patients": int(neg_pat[j]), "note": why,
+                                  "ci_resamples_dropped": boot["labels"][label]["n_skipped"] if ci else None}
     if boot:
         entry.update(mean_auroc=boot["mean_auroc"]["auroc"], mean_ci=boot["mean_auroc_ci"], mean_labels=sub)
     else:

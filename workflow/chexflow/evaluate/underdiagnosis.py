@@ -1,153 +1,250 @@
-"""Underdiagnosis by subgroup, as radiology fairness audits report it (Seyyed-Kalantari et al.,
-Nature Medicine 2021): how often the model calls "no finding" where there is one.
+"""Underdiagnosis by subgroup, as radiology fairness audits define it (Seyyed-Kalantari et al., Nature
+Medicine 2021): the false-positive rate of the "no finding" call at an operating point chosen on
+validation, beside its companion rate, built so that it can fail.
 
-The call: an image is called "no finding" when every finding's score lies below its threshold chosen
-on validation (Youden's J, ``threshold_val_youden``). The truth uses the same findings: an image "has a
-finding" when a finding with a threshold is labelled positive on it. A finding without a threshold
-(one class in validation) can be neither called nor counted: an image positive only for such
-findings would be "missed" whatever its score, so it is set aside, and the record names those
-findings and the images set aside (``set_aside``). Two rates, each with a patient-bootstrap CI
-(``metrics.patient_resample_counts``: all images of a drawn patient come along; resamples whose
-denominator is empty are dropped):
+The call (:func:`no_finding_operating_point`, chosen on validation, never on test): an image's
+abnormality score is its highest score over the findings with a validation-chosen threshold (the
+findings that have both classes in validation); the image is called "no finding" when that score lies
+below the call's threshold, Youden's J of "has a finding" against "has none" over the validation images
+(the rule chexflow uses for every operating point). The old call (every finding below its own Youden
+threshold) is not used: with 14 thresholds each tuned alone, it flagged 442 of 443 demo test images and
+so could not miss anything. The truth uses the same findings: an image "has a finding" when one of them
+is labelled positive; "has none" ("normal") when none is (unknown is not positive). An image positive
+only for findings without a threshold is set aside (``set_aside``): the call cannot be asked about them.
 
-  image level    of the images with a finding, the share called "no finding" (the paper's rate: the
-                 false-positive rate of "no finding");
-  patient level  of the patients with at least one image with a finding, the share whose every image
-                 with a finding is called "no finding" (the model never flags them).
+Per cell (all test images, each subgroup of sex, age band, view, each pairwise intersection):
 
-Per subgroup (sex, age band, view; the fields of ``subgroups.read_fields``) and per pairwise
-intersection of them, each over the images in the cell. A cell with fewer than ``min_count`` patients
-with a finding shows its rates without a bootstrap CI and says why; the report lists intersections only
-where they are large enough. Every cell gives the exact (Clopper-Pearson) interval of its patient rate
-(patients are independent units): the interval of the small cells, and of the cells where none (or
-all) of the patients are missed, where the percentile bootstrap collapses to the rate.
+  underdiagnosis, image level    of the images with a finding, the share called "no finding"
+                                 (interval: ``intervals.rate``, patient bootstrap or exact);
+  underdiagnosis, patient level  of the patients with an image with a finding, the share whose every
+                                 such image is called "no finding", with its exact (Clopper-Pearson)
+                                 interval: patients are independent units;
+  companion rate                 of the normal images, the share called "no finding": what the call
+                                 gives up to reach its underdiagnosis rate. Flagging every image scores
+                                 0 underdiagnosis and 0 companion; an audit whose call names almost no
+                                 normal image "no finding" cannot tell groups apart.
+
+Verdicts (one per subgroup, decided here, stored in the record):
+
+  "too few"           fewer than ``min_patients`` patients with a finding or normal patients in the
+                      group or in the rest of its attribute (``intervals.too_few``): nothing compared;
+  "cannot detect"     the call names fewer than ``MIN_COMPANION`` of the normal images "no finding"
+                      (over the test set, or in the group): the audit cannot detect underdiagnosis at
+                      this operating point, and says so instead of reporting a zero as fairness;
+  "higher" / "lower"  the group's image-level underdiagnosis minus the rest of its attribute's (the other
+                      groups with a known value), its 95% patient-bootstrap CI (one draw of the test
+                      set's patients for both rates) above (below) zero;
+  "no gap shown"      that CI includes zero.
+Intersections get their rates, not a verdict (each would be one more comparison on fewer patients).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from itertools import combinations
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from chexflow.evaluate.metrics import patient_resample_counts
+from chexflow.evaluate import intervals
+from chexflow.evaluate.metrics import percentile_ci, youden_threshold
 from chexflow.evaluate.subgroups import SEXES, VIEWS, age_band_names
 
 ATTRIBUTES = ("sex", "age_band", "view")
-DEFINITION = ("an image is called \"no finding\" when every finding's score lies below its validation-chosen "
-              "threshold; it has a finding when a finding with such a threshold is labelled on it (an image positive "
-              "only for findings without one is set aside); image level: of the images with a finding, the share "
-              "called \"no finding\"; patient level: of the patients with an image with a finding, the share whose "
-              "every such image is called \"no finding\"")
+# below this share of normal images called "no finding", the call flags (nearly) every image: the
+# underdiagnosis rates of all groups are squeezed towards 0 and no gap can show (the demo's old call: 1 of 222)
+MIN_COMPANION = 0.10
+RULE = ("abnormality score: an image's highest score over the findings with a validation-chosen threshold; "
+        "\"no finding\" below the call's threshold, chosen on validation by Youden's J (has a finding against has none)")
+DEFINITION = ("an image is called \"no finding\" when its highest finding score lies below the validation-chosen "
+              "threshold of the call; it has a finding when one of those findings is labelled on it, none when none is "
+              "(an image positive only for findings without a threshold is set aside); underdiagnosis: of the images "
+              "(patients) with a finding, the share called \"no finding\" (every such image of the patient); companion "
+              "rate: of the normal images, the share called \"no finding\"")
 
 
-def called_no_finding(scores: np.ndarray, thresholds: Sequence[float | None]) -> np.ndarray:
-    """Per image: True when every score with a threshold lies below it (``scores`` [N, L])."""
-    used = [j for j, t in enumerate(thresholds) if t is not None]
-    if not used:
-        raise ValueError("no finding has a validation-chosen threshold: nothing can be called")
-    return np.all(scores[:, used] < np.asarray([thresholds[j] for j in used], float), axis=1)
+def _used(labels: Sequence[str], thresholds: Mapping[str, float | None]) -> np.ndarray:
+    return np.array([thresholds.get(lab) is not None for lab in labels])
 
 
-def rates(has_finding: np.ndarray, missed: np.ndarray, patients: np.ndarray, *, min_count: int, n_resamples: int,
-          seed: int, alpha: float = 0.05, set_aside: np.ndarray | None = None) -> dict:
-    """The image- and patient-level rates of one cell (see the module doc), each ``{"n", "missed", "rate",
-    "ci"}`` (the patient level also ``ci_exact``, in every cell), the cell's patients and images, how many
-    of its images were set aside (``set_aside``: positive only for findings without a threshold), and
-    ``note`` (why there is no bootstrap CI, or why it collapsed)."""
-    patients = np.asarray(patients)
-    miss = has_finding & missed
-    _, pidx = np.unique(patients, return_inverse=True)
-    n_pat = int(pidx.max()) + 1 if pidx.size else 0
-    pat_has = np.bincount(pidx, weights=has_finding.astype(float), minlength=n_pat) > 0
-    flagged = np.bincount(pidx, weights=(has_finding & ~missed).astype(float), minlength=n_pat)
-    pat_missed = pat_has & (flagged == 0)
-    out = {"n_images": int(patients.size), "n_patients": n_pat,
-           "n_images_set_aside": 0 if set_aside is None else int(set_aside.sum()),
-           "image": _point(int(has_finding.sum()), int(miss.sum())),
-           "patient": _point(int(pat_has.sum()), int(pat_missed.sum())), "note": ""}
-    p = out["patient"]
-    p["ci_exact"] = exact_ci(p["missed"], p["n"], alpha=alpha) if p["n"] else None
-    if p["n"] < min_count:
-        out["note"] = f"too few patients with a finding for a CI ({p['n']}, {min_count} needed)"
-        return out
-    _, counts = patient_resample_counts(patients, n_resamples, np.random.default_rng(seed))
-    img_w = counts[:, pidx].astype(float)                 # image i's multiplicity in each resample
-    q = [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)]
-    for key, num, den in (("image", img_w @ miss.astype(float), img_w @ has_finding.astype(float)),
-                          ("patient", counts @ pat_missed.astype(float), counts @ pat_has.astype(float))):
-        ok = den > 0
-        out[key]["ci"] = [float(v) for v in np.percentile(num[ok] / den[ok], q)] if ok.any() else None
-        out[key]["n_resamples_used"] = int(ok.sum())
-    if p["missed"] in (0, p["n"]):
-        out["note"] = (f"{'none' if p['missed'] == 0 else 'all'} missed: the bootstrap CI collapses to the rate; "
-                       f"exact {100 * (1 - alpha):g}% CI of the patient rate {p['ci_exact'][0]:.3f}-{p['ci_exact'][1]:.3f}")
+def abnormality(scores: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """Per image: the highest score over the findings ``used`` (a bool mask over the columns)."""
+    return np.asarray(scores, float)[:, used].max(axis=1)
+
+
+def no_finding_operating_point(val_y: np.ndarray, val_s: np.ndarray, val_patients: Sequence[Any],
+                               labels: Sequence[str], thresholds: Mapping[str, float | None]) -> dict[str, Any]:
+    """The "no finding" call's operating point, chosen on the validation predictions (``val_y`` [N, L] with
+    NaN unknown, ``val_s`` [N, L]): the findings it uses (those with a validation threshold in
+    ``thresholds``), its threshold on the abnormality score, and what it does on validation. ``threshold``
+    is None (with ``note``) when validation holds no normal image or none with a finding."""
+    used = _used(labels, thresholds)
+    out: dict[str, Any] = {"rule": RULE, "split": "validation", "findings": [lab for lab, u in zip(labels, used) if u],
+                           "threshold": None, "note": ""}
+    if not used.any():
+        return {**out, "note": "no finding has a validation-chosen threshold: nothing can be called"}
+    y = np.asarray(val_y, float)
+    has = (y[:, used] == 1.0).any(axis=1)
+    aside = (y[:, ~used] == 1.0).any(axis=1) & ~has
+    keep = ~aside
+    score, patients = abnormality(val_s, used)[keep], np.asarray(val_patients)[keep]
+    out["validation"] = {"images_with_finding": int(has[keep].sum()), "normal_images": int((~has[keep]).sum()),
+                         "patients_with_finding": int(np.unique(patients[has[keep]]).size),
+                         "normal_patients": int(np.unique(patients[~has[keep]]).size)}
+    if has[keep].all() or not has[keep].any():
+        return {**out, "note": "validation holds no normal image or none with a finding: no call can be chosen"}
+    thr = youden_threshold(has[keep].astype(float), score)
+    called = score < thr
+    out["threshold"] = thr
+    out["validation"].update(underdiagnosis=float(called[has[keep]].mean()), companion=float(called[~has[keep]].mean()))
     return out
 
 
-def exact_ci(k: int, n: int, *, alpha: float = 0.05) -> list[float]:
-    """Clopper-Pearson interval of k/n (scipy): patients are independent units, so at patient level
-    the exact binomial interval is valid too; it bounds a rate the bootstrap cannot (0 or n of n)."""
-    from scipy.stats import binomtest
-    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=1.0 - alpha, method="exact")
-    return [float(ci.low), float(ci.high)]
+def _patient_level(cond: np.ndarray, called: np.ndarray, patients: np.ndarray, *, alpha: float) -> dict[str, Any]:
+    """Of the patients with a ``cond`` image, those whose every ``cond`` image is ``called``: k, n, rate, exact CI."""
+    _, pidx = np.unique(patients, return_inverse=True)
+    n_pat = int(pidx.max()) + 1 if pidx.size else 0
+    has = np.bincount(pidx, weights=cond.astype(float), minlength=n_pat) > 0
+    kept = np.bincount(pidx, weights=(cond & ~called).astype(float), minlength=n_pat) == 0
+    n, k = int(has.sum()), int((has & kept).sum())
+    return {"n": n, "missed": k, "rate": k / n if n else None,
+            "ci": intervals.exact_ci(k, n, alpha=alpha) if n else None, "interval": "exact (Clopper-Pearson)",
+            "too_few": None}
 
 
-def _point(n: int, missed: int) -> dict:
-    return {"n": n, "missed": missed, "rate": missed / n if n else None, "ci": None}
+def _image_level(cond: np.ndarray, called: np.ndarray, patients: np.ndarray, **kw: Any) -> dict[str, Any]:
+    r = intervals.rate(called, cond, patients, **kw)
+    return {**r, "missed": r["k"]}
 
 
-def audit(y: np.ndarray, s: np.ndarray, patients: Sequence, labels: Sequence[str],
-          thresholds: Mapping[str, float | None], fields: pd.DataFrame | None, *, age_edges: Sequence[int],
-          min_count: int, n_resamples: int, seed: int, images: Sequence[str] | None = None) -> dict:
-    """The underdiagnosis record: the definition, the findings the call and the truth use (and those
-    without a threshold), the images set aside, the rates over all test images, per subgroup and per
-    pairwise intersection (``fields`` None: no subgroups). ``images``: the images' names, for the record
-    of those set aside."""
-    y = np.asarray(y, float)
+def rates(has_finding: np.ndarray, normal: np.ndarray, called: np.ndarray, patients: np.ndarray, *, min_patients: int,
+          n_resamples: int, seed: int, alpha: float = 0.05) -> dict[str, Any]:
+    """One cell: ``image`` and ``patient`` underdiagnosis, the ``companion`` rate (see the module), the
+    cell's images and patients, and ``note`` (the small-count rule's words, where it applies)."""
     patients = np.asarray(patients)
-    thr = [thresholds.get(label) for label in labels]
-    if all(t is None for t in thr):
-        return {"definition": DEFINITION, "overall": None, "groups": [], "intersections": [],
-                "labels_used": [], "labels_without_threshold": list(labels), "min_count": min_count,
-                "note": "no finding has a validation-chosen threshold: nothing can be called"}
-    used = np.array([t is not None for t in thr])
+    kw = {"minimum": min_patients, "n_resamples": n_resamples, "seed": seed, "alpha": alpha}
+    out = {"n_images": int(patients.size), "n_patients": int(np.unique(patients).size),
+           "image": _image_level(has_finding, called, patients, **kw),
+           "patient": _patient_level(has_finding, called, patients, alpha=alpha),
+           "companion": _image_level(normal, called, patients, **kw)}
+    out["too_few"] = intervals.too_few(int(np.unique(patients[has_finding]).size),
+                                       int(np.unique(patients[normal]).size), min_patients)
+    if out["too_few"]:
+        for level in ("image", "patient", "companion"):     # the rule withholds every interval of the cell
+            out[level].update(ci=None, interval=None, too_few="too few")
+        out["note"] = out["too_few"].replace("positive", "with a finding").replace("negative", "normal")
+    else:
+        out["note"] = ""
+    return out
+
+
+def audit(y: np.ndarray, s: np.ndarray, patients: Sequence, labels: Sequence[str], call: Mapping[str, Any],
+          fields: pd.DataFrame | None, *, age_edges: Sequence[int], min_patients: int, n_resamples: int, seed: int,
+          images: Sequence[str] | None = None, alpha: float = 0.05) -> dict[str, Any]:
+    """The underdiagnosis record of test predictions ``y``/``s`` [N, L] at the call ``call`` (from
+    :func:`no_finding_operating_point` on validation): the definition, the call, the images set aside,
+    the cells over all test images, per subgroup (with its verdict) and per pairwise intersection
+    (``fields`` None: no subgroups), and ``detectable`` with its words. ``images``: the images' names,
+    for the record of those set aside. Another test set (an external one) is audited by passing its own
+    predictions with the internal call."""
+    base = {"definition": DEFINITION, "call": dict(call), "min_patients": min_patients, "min_companion": MIN_COMPANION,
+            "n_resamples": n_resamples, "seed": seed, "groups": [], "intersections": []}
+    used = np.array([lab in call.get("findings", ()) for lab in labels])
+    if call.get("threshold") is None:
+        return {**base, "overall": None, "detectable": None, "verdict": None, "labels_used": [], "set_aside": None,
+                "labels_without_threshold": list(labels), "note": call.get("note") or "no call was chosen"}
+    y, s, patients = np.asarray(y, float), np.asarray(s, float), np.asarray(patients)
     positive = y == 1.0                                   # unknown (NaN) is not positive
-    has_finding = positive[:, used].any(axis=1)
-    set_aside = positive[:, ~used].any(axis=1) & ~has_finding
-    missed = called_no_finding(np.asarray(s, float), thr)
+    has = positive[:, used].any(axis=1)
+    aside = positive[:, ~used].any(axis=1) & ~has
+    normal = ~has & ~aside
+    called = abnormality(s, used) < call["threshold"]
 
-    def cell(sel: np.ndarray, **names) -> dict:
-        return {**names, **rates(has_finding[sel], missed[sel], patients[sel], min_count=min_count,
-                                 n_resamples=n_resamples, seed=seed, set_aside=set_aside[sel])}
+    def cell(sel: np.ndarray, **names: str) -> dict:
+        return {**names, **rates(has[sel], normal[sel], called[sel], patients[sel], min_patients=min_patients,
+                                 n_resamples=n_resamples, seed=seed, alpha=alpha),
+                "n_images_set_aside": int(aside[sel].sum())}
 
-    out = {"definition": DEFINITION, "min_count": min_count, "n_resamples": n_resamples, "seed": seed,
-           "labels_used": [lab for lab, t in zip(labels, thr) if t is not None],
-           "labels_without_threshold": [lab for lab, t in zip(labels, thr) if t is None],
-           "set_aside": _set_aside(set_aside, positive[:, ~used], patients, images,
-                                   [lab for lab, t in zip(labels, thr) if t is None]),
-           "overall": cell(np.ones(len(y), bool), attribute="all", group="all"), "groups": [], "intersections": []}
+    out = {**base, "labels_used": [lab for lab, u in zip(labels, used) if u],
+           "labels_without_threshold": [lab for lab, u in zip(labels, used) if not u],
+           "set_aside": _set_aside(aside, positive[:, ~used], patients, images, [lab for lab, u in zip(labels, used)
+                                                                                 if not u]),
+           "overall": cell(np.ones(len(y), bool), attribute="all", group="all")}
+    comp = out["overall"]["companion"]
+    out["detectable"] = comp["rate"] is not None and comp["rate"] >= MIN_COMPANION
+    out["verdict"] = (f"the call names {comp['k']} of {comp['n']} normal test images \"no finding\" ({comp['rate']:.3f}); "
+                      + ("enough for the audit to show a gap" if out["detectable"] else
+                         f"below {MIN_COMPANION:g}: the audit cannot detect underdiagnosis at this operating point")
+                      if comp["n"] else "no normal test image: the audit cannot detect underdiagnosis")
     if fields is None:
         return out
     order = {"sex": list(SEXES.values()), "age_band": age_band_names(age_edges), "view": list(VIEWS)}
     values = {a: fields[a].to_numpy() for a in ATTRIBUTES}
+    w = intervals.weights(patients, n_resamples, seed)       # one draw of the test set's patients for every gap
     for attr in ATTRIBUTES:
-        out["groups"] += [cell(values[attr] == g, attribute=attr, group=g) for g in order[attr]]
+        known = np.isin(values[attr], order[attr])
+        for g in order[attr]:
+            sel = values[attr] == g
+            c = cell(sel, attribute=attr, group=g)
+            c.update(_gap(c, sel, known & ~sel, has, normal, called, patients, w, out["detectable"], min_patients,
+                          alpha))
+            out["groups"].append(c)
     for a, b in combinations(ATTRIBUTES, 2):
         out["intersections"] += [cell((values[a] == ga) & (values[b] == gb), attribute=f"{a} x {b}",
                                       group=f"{ga}, {gb}") for ga in order[a] for gb in order[b]]
     return out
 
 
+def _gap(c: dict, sel: np.ndarray, rest: np.ndarray, has: np.ndarray, normal: np.ndarray, called: np.ndarray,
+         patients: np.ndarray, w: np.ndarray, detectable: bool, min_patients: int, alpha: float) -> dict[str, Any]:
+    """A subgroup's verdict against the rest of its attribute (see the module)."""
+    rest_few = intervals.too_few(int(np.unique(patients[rest & has]).size), int(np.unique(patients[rest & normal]).size),
+                                 min_patients)
+    gap: dict[str, Any] = {"gap": None, "gap_ci": None, "gap_resamples_dropped": None}
+    if c["too_few"] or rest_few:
+        return {**gap, "verdict": "too few", "verdict_text": f"{c['note'] or 'the rest: ' + rest_few}: not compared"}
+    comp = c["companion"]
+    if not detectable or comp["rate"] < MIN_COMPANION:
+        return {**gap, "verdict": "cannot detect",
+                "verdict_text": f"cannot detect underdiagnosis at this operating point: {comp['k']} of {comp['n']} normal "
+                                f"images called \"no finding\" ({'in the group' if detectable else 'over the test set'}"
+                                f", below {MIN_COMPANION:g})"}
+    rest_rate = float((called & has & rest).sum() / (has & rest).sum())
+    num = lambda m: w @ (called & has & m).astype(float)                           # noqa: E731
+    den = lambda m: w @ (has & m).astype(float)                                    # noqa: E731
+    ok = (den(sel) > 0) & (den(rest) > 0)
+    diff = np.where(ok, num(sel) / np.where(ok, den(sel), 1) - num(rest) / np.where(ok, den(rest), 1), np.nan)
+    ci = percentile_ci(diff, alpha) if np.nanmax(diff) > np.nanmin(diff) else None
+    gap.update(gap=c["image"]["rate"] - rest_rate, gap_ci=ci, gap_resamples_dropped=int((~ok).sum()),
+               rest_rate=rest_rate)
+    if ci is None:
+        verdict, why = "no gap shown", "every resample gives the same rates in the group and the rest"
+    elif ci[0] > 0 or ci[1] < 0:
+        verdict = "higher" if ci[0] > 0 else "lower"
+        why = f"95% patient-bootstrap CI of the difference {ci[0]:+.3f} to {ci[1]:+.3f} excludes 0"
+    else:
+        verdict, why = "no gap shown", f"95% patient-bootstrap CI of the difference {ci[0]:+.3f} to {ci[1]:+.3f} includes 0"
+    words = {"higher": "more underdiagnosis than", "lower": "less underdiagnosis than", "no gap shown": "no gap to"}
+    rests_on = (f"unit: images with a finding, resampled by patient; {c['patient']['n']} patients with a finding in "
+                f"the group, {int(np.unique(patients[rest & has]).size)} in the rest")
+    return {**gap, "verdict": verdict,
+            "verdict_text": f"{words[verdict]} the rest of its attribute ({c['image']['rate']:.3f} against "
+                            f"{rest_rate:.3f} of images with a finding called \"no finding\"; {why}; {rests_on})"}
+
+
 def _set_aside(mask: np.ndarray, unused_positive: np.ndarray, patients: np.ndarray, images: Sequence[str] | None,
                unused: list[str]) -> dict:
     """The images positive only for findings without a threshold: how many, of how many patients, per
     finding, and their names (when given)."""
-    return {"why": "positive only for findings without a validation-chosen threshold, which the call cannot "
-                   "flag: counted neither as with nor as without a finding",
+    return {"why": "positive only for findings without a validation-chosen threshold, which the call does not use: "
+                   "counted neither as with nor as without a finding",
             "n_images": int(mask.sum()), "n_patients": int(np.unique(patients[mask]).size),
             "by_finding": {lab: int((unused_positive[:, k] & mask).sum()) for k, lab in enumerate(unused)},
             "images": None if images is None else [str(images[i]) for i in np.flatnonzero(mask)]}
+
+
+def _ci_pair(e: dict) -> list:
+    return list(e.get("ci") or [None, None])
 
 
 def table(record: dict) -> list[dict]:
@@ -156,18 +253,18 @@ def table(record: dict) -> list[dict]:
     rows = []
     for kind, group in (("overall", cells), ("subgroup", record["groups"]), ("intersection", record["intersections"])):
         for c in group:
-            row = {"kind": kind, "attribute": c["attribute"], "group": c["group"], "n_images": c["n_images"],
-                   "n_patients": c["n_patients"], "images_set_aside": c["n_images_set_aside"]}
-            for level in ("image", "patient"):
-                e = c[level]
-                row.update({f"{level}s_with_finding": e["n"], f"{level}s_missed": e["missed"],
-                            f"{level}_rate": e["rate"], f"{level}_ci_low": (e["ci"] or [None, None])[0],
-                            f"{level}_ci_high": (e["ci"] or [None, None])[1]})
-            row.update(zip(("patient_exact_ci_low", "patient_exact_ci_high"), c["patient"].get("ci_exact") or [None, None]))
-            rows.append({**row, "note": c["note"]})
+            img, pat, comp = c["image"], c["patient"], c["companion"]
+            rows.append(dict(zip(COLUMNS, (
+                kind, c["attribute"], c["group"], c["n_images"], c["n_patients"], c["n_images_set_aside"],
+                img["n"], img["missed"], img["rate"], *_ci_pair(img), img["interval"],
+                pat["n"], pat["missed"], pat["rate"], *_ci_pair(pat),
+                comp["n"], comp["k"], comp["rate"], *_ci_pair(comp), comp["interval"],
+                c.get("verdict"), c.get("gap"), *(c.get("gap_ci") or [None, None]), c["note"]))))
     return rows
 
 
 COLUMNS = ("kind", "attribute", "group", "n_images", "n_patients", "images_set_aside", "images_with_finding",
-           "images_missed", "image_rate", "image_ci_low", "image_ci_high", "patients_with_finding", "patients_missed",
-           "patient_rate", "patient_ci_low", "patient_ci_high", "patient_exact_ci_low", "patient_exact_ci_high", "note")
+           "images_missed", "image_rate", "image_ci_low", "image_ci_high", "image_interval", "patients_with_finding",
+           "patients_missed", "patient_rate", "patient_exact_ci_low", "patient_exact_ci_high", "normal_images",
+           "normal_called_no_finding", "companion_rate", "companion_ci_low", "companion_ci_high", "companion_interval",
+           "verdict", "gap", "gap_ci_low", "gap_ci_high", "note")

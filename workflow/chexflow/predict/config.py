@@ -23,7 +23,7 @@ class PredictConfig:
     modalities: tuple[str, ...] = setting(("CR", "DX", "DR"), unique=True)
     max_file_mb: int = setting(512, ge=1)   # larger files are refused unread (a CR image is ~10-30 MB)
     # an image declaring more pixels is refused before it is decoded (a 3,000 x 3,000 CR is 9; the
-    # shard stage's shards.<dataset>.max_image_megapixels fits its release, not a PACS export)
+    # shard stage's default shards.<dataset>.max_image_megapixels is the same)
     max_image_megapixels: float = setting(64.0, gt=0.0)
 
 

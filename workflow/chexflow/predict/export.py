@@ -57,7 +57,8 @@ class Probabilities(torch.nn.Module):
 def metadata(predictor: Predictor, info: dict, model_path: Path, card: str | None) -> dict:
     """What a server needs, and the model file's ``predict`` record as the file holds it (None without one)."""
     return {"format": "chexflow-export/1", "run_id": predictor.run_id, "labels": list(predictor.labels),
-            "dataset": predictor.dataset, "synthetic_training_data": predictor.synthetic,
+            "dataset": predictor.dataset, "decoding": predictor.decoding,
+            "synthetic_training_data": predictor.synthetic,
             "thresholds": {label: predictor.thresholds.get(label) for label in predictor.labels},
             "threshold_rule": THRESHOLD_RULE, "predict": info.get("predict"), "sources": predictor.sources,
             "preprocess": predictor.preprocess.describe(), "output": f"float32 [batch, {len(predictor.labels)}] "

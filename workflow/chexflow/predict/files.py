@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from chexflow.data import dicom, images, registry
+from chexflow.data import dicom, images, tables
 from chexflow.data.config import ShardConfig
 from chexflow.fsutil import NotRegularFile, check_regular, open_regular, read_regular, read_text_regular
 from chexflow.predict.config import PredictConfig
@@ -92,12 +92,14 @@ def _listed(list_file: Path) -> list[Path]:
 @dataclass(frozen=True)
 class Reader:
     """Reads one file to uint8 ``stored_size x stored_size`` grey pixels, the way the training path
-    stored its images: PNG/JPEG through the dataset's shard-stage ``decode`` (``shard``: its dataset,
-    stored side and pixel bound), DICOM through ``data.dicom`` and the same centre square and resize
-    (``images.resize_square``). Plain values only: loader worker processes get a copy."""
+    stored its images: PNG/JPEG through the shard stage's decoding the model file names
+    (``decoding``, ``data.tables.DECODINGS``; ``shard``: the stored side and pixel bound), DICOM through
+    ``data.dicom`` and the same centre square and resize (``images.resize_square``). Plain values only:
+    loader worker processes get a copy."""
     shard: ShardConfig
     modalities: tuple[str, ...] = dicom.RADIOGRAPH_MODALITIES
     max_bytes: int = 512 << 20
+    decoding: str = "grey"
 
     def read(self, path: Path) -> tuple[np.ndarray, str]:
         """``(pixels, format)``; ``images.DecodeError`` (its ``reason`` says why) for a file that
@@ -117,13 +119,14 @@ class Reader:
             full = dicom.decode_dicom(data, name=name, modalities=self.modalities,
                                       max_pixels=images.million(self.shard.max_image_megapixels))
             return images.resize_square(full, self.shard.image_size), "DICOM"
-        return registry.get(self.shard.dataset).decode(data, name, self.shard), _format(data)
+        return tables.DECODINGS[self.decoding](data, name, self.shard), _format(data)
 
 
-def reader_for(dataset: str, stored_size: int, cfg: PredictConfig) -> Reader:
-    """The reader of ``chexflow predict`` for a model trained on ``dataset`` stored at ``stored_size`` px."""
+def reader_for(dataset: str, stored_size: int, cfg: PredictConfig, decoding: str = "grey") -> Reader:
+    """The reader of ``chexflow predict`` for a model trained on ``dataset`` stored at ``stored_size`` px,
+    its files read by ``decoding`` (the model file's ``predict.decoding``)."""
     shard = ShardConfig(dataset=dataset, image_size=stored_size, max_image_megapixels=cfg.max_image_megapixels)
-    return Reader(shard, tuple(cfg.modalities), cfg.max_file_mb << 20)
+    return Reader(shard, tuple(cfg.modalities), cfg.max_file_mb << 20, decoding)
 
 
 def _format(data: bytes) -> str:

@@ -3,9 +3,9 @@ did to its images (:class:`Preprocess`), its labels, the thresholds chosen on va
 
 A model file with a ``predict`` record (evaluation's ``model.pt``, checked by
 ``checkpoint.load_model`` and ``predict_record.refuse_if_malformed``) makes a :class:`Predictor`
-alone: weights, architecture, labels, crop, run id, the dataset whose decoding the files go through
-(``registry.get(dataset).decode``, the shard stage's), the stored side, the normalisation, the
-validation thresholds, whether the training data was synthetic. Two files override parts of it (and stand in for a model file without the record, as
+alone: weights, architecture, labels, crop, run id, how the files are decoded (``predict.decoding``: the
+shard stage's, ``data.tables.DECODINGS``; a model of a CSV-declared dataset needs no declaration), the
+stored side, the normalisation, the validation thresholds, whether the training data was synthetic. Two files override parts of it (and stand in for a model file without the record, as
 the fine-tuning writes it), each checked (every file read is untrusted):
 - the dataset manifest the model was trained on: the stored side and the dataset;
 - ``metrics.json`` of the evaluation: ``threshold_val_youden`` per label, chosen on validation.
@@ -69,7 +69,8 @@ class Predictor:
     thresholds: dict[str, float]         # the labels that have a validation-chosen threshold
     run_id: str
     preprocess: Preprocess
-    dataset: str                         # whose shard-stage decoding image files go through
+    dataset: str                         # the training data's name (the model file's 'dataset')
+    decoding: str = "grey"               # how image files become stored pixels (data.tables.DECODINGS)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     cam_layer: str | None = None         # the Grad-CAM layer the evaluation's heatmaps used
     synthetic: bool | None = None        # trained on synthetic data (None: not recorded)
@@ -115,9 +116,7 @@ def load_predictor(model_path: Path, manifest_path: Path | None = None, metrics_
         stored, dataset, synthetic = _read_manifest(Path(manifest_path), labels)
     else:
         stored, dataset, synthetic = record["stored_size"], info["dataset"], record["synthetic"]
-        if dataset not in registry.NAMES:
-            raise PredictInputError(f"{model_path}: dataset {dataset!r} is not known to this chexflow "
-                                    f"(known: {', '.join(registry.NAMES)}): its image files cannot be decoded")
+    decoding = record["decoding"] if record is not None else registry.decoding_of(dataset)
     if metrics_path is not None:
         thresholds, cam_layer = read_thresholds(Path(metrics_path), labels, info, model)
     else:
@@ -126,7 +125,7 @@ def load_predictor(model_path: Path, manifest_path: Path | None = None, metrics_
     mean, std = (record["mean"], record["std"]) if record is not None else (MEAN, STD)
     sources = {"stored_size": str(manifest_path or model_path), "thresholds": str(metrics_path or model_path)}
     model = model.to(device or torch.device("cpu")).eval()
-    return Predictor(model, labels, thresholds, run_id, Preprocess(stored, crop, mean, std), dataset,
+    return Predictor(model, labels, thresholds, run_id, Preprocess(stored, crop, mean, std), dataset, decoding,
                      device or torch.device("cpu"), cam_layer, synthetic, sources), info
 
 
@@ -137,8 +136,8 @@ def _read_manifest(path: Path, labels: tuple[str, ...]) -> tuple[int, str, bool 
         raise PredictInputError(f"{path}: 'synthetic' must be true or false, got {synthetic!r}")
     if not isinstance(size, int) or not 1 <= size <= 65536:
         raise PredictInputError(f"{path}: 'image_size' must be a side in px, got {size!r}")
-    if dataset not in registry.NAMES:
-        raise PredictInputError(f"{path}: unknown dataset {dataset!r} (known: {', '.join(registry.NAMES)})")
+    if not isinstance(dataset, str) or not dataset:
+        raise PredictInputError(f"{path}: 'dataset' must be a dataset's name, got {dataset!r}")
     if tuple(m.get("labels") or ()) != labels:
         raise PredictInputError(f"{path}: its labels {m.get('labels')} are not the model's {list(labels)} "
                                 "(the manifest of another dataset?)")

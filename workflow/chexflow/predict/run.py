@@ -61,7 +61,7 @@ def run(cfg: PredictConfig, *, model_path: Path, out_csv: Path, manifest: Path |
     Heatmaps (``cfg.heatmaps``) go to ``heatmap_dir`` (default: ``heatmaps/`` beside the CSV)."""
     files = list_inputs(inputs or cfg.inputs)
     predictor, _ = load_predictor(model_path, manifest, metrics, device=pick_device(cfg.device))
-    reader = reader_for(predictor.dataset, predictor.preprocess.stored_size, cfg)
+    reader = reader_for(predictor.dataset, predictor.preprocess.stored_size, cfg, predictor.decoding)
     out_csv = Path(out_csv)
     heat = None
     if cfg.heatmaps:

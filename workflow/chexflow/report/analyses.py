@@ -54,23 +54,24 @@ def underdiagnosis_view(metrics: dict[str, Any]) -> dict[str, Any] | None:
     if rec.get("overall") is not None:
         _check_cell(rec["overall"], "underdiagnosis.overall")
     inter = named(rec.get("intersections") or [])
-    shown = [c for c in inter if c["patient"]["ci"] is not None]
+    shown = [c for c in inter if not c.get("too_few")]
     return {**rec, "groups": named(rec.get("groups") or []), "intersections": shown,
             "n_intersections_left_out": len(inter) - len(shown), "overall": rec.get("overall")}
 
 
-CELL_KEYS = ("attribute", "group", "note")
-RATE_KEYS = ("n", "missed", "rate", "ci")
-VERDICT_KEYS = ("n", "n_no_saliency", "n_pointed", "hits", "hits_range", "n_tied", "hit_rate", "ci", "random_point",
-                "centre_point", "p_above", "mean_iobb", "verdict_text", "elsewhere")
+CELL_KEYS = ("attribute", "group", "note", "too_few")
+RATE_KEYS = ("n", "missed", "rate", "ci", "interval")
+VERDICT_KEYS = ("n", "n_no_saliency", "n_pointed", "n_patients", "hits", "hits_range", "n_tied", "hit_rate", "ci",
+                "random_point", "centre_point", "p_above", "mean_iobb", "mean_iobb_ci", "unit", "verdict_text", "elsewhere")
 
 
 def _check_cell(cell: Any, where: str) -> None:
     """An underdiagnosis cell of metrics.json as the evaluation writes it, or an error naming the key."""
     ok = isinstance(cell, dict) and all(k in cell for k in CELL_KEYS) and all(
-        isinstance(cell.get(level), dict) and all(k in cell[level] for k in RATE_KEYS) for level in ("image", "patient"))
+        isinstance(cell.get(level), dict) and all(k in cell[level] for k in RATE_KEYS)
+        for level in ("image", "patient", "companion"))
     if not ok:
-        raise ReportInputError(f"metrics.json: {where} must be an object with {list(CELL_KEYS)} and image/patient "
+        raise ReportInputError(f"metrics.json: {where} must be an object with {list(CELL_KEYS)} and image/patient/companion "
                                f"rates {list(RATE_KEYS)}, got {str(cell)[:200]}")
 
 
@@ -88,7 +89,7 @@ def localisation_view(metrics: dict[str, Any], saliency: Path | None, labels: li
     totals = {k: sum(r.get(k) or 0 for r in rows) for k in ("n", "n_no_saliency", "n_pointed", "n_tied", "hits")}
     totals["hits_range"] = [sum((r.get("hits_range") or [0, 0])[i] for r in rows) for i in (0, 1)]
     gallery = _gallery(saliency, labels) if saliency is not None else None
-    return {**{k: loc.get(k) for k in ("method", "layer", "layer_side", "crop", "level", "tie_rtol")},
+    return {**{k: loc.get(k) for k in ("method", "layer", "layer_side", "crop", "level", "tie_rtol", "min_patients")},
             "boxes": loc.get("boxes"), "rows": rows, "totals": totals, "gallery": gallery,
             "elsewhere": [r["display"] for r in rows if r.get("elsewhere")]}
 
@@ -126,9 +127,8 @@ def limitations(ctx: dict[str, Any]) -> list[str]:
     out = []
     loc = ctx["localisation"]
     if loc and loc["elsewhere"]:
-        out.append(f"{', '.join(loc['elsewhere'])}: the AUROC is above chance, but the heatmaps point at the finding "
-                   "significantly less often than a random point (exact Poisson-binomial test): the model may rest "
-                   "on other cues.")
+        out.append(f"{', '.join(loc['elsewhere'])}: the AUROC's CI lies above 0.5, while the heatmaps' peak falls in the "
+                   "box less often than a random point's (patients as the unit, p < 0.025).")
     sub = ctx["subgroups"]
     if sub:
         small = [f"{g['attribute_name'].lower()} {g['group']}" for g in sub["groups"]
@@ -141,4 +141,11 @@ def limitations(ctx: dict[str, Any]) -> list[str]:
     und = ctx.get("underdiagnosis")
     if und and und.get("overall") is None:
         out.append(f"No underdiagnosis rate: {und.get('note')}.")
+    elif und and not und.get("detectable"):
+        out.append(f"The underdiagnosis audit cannot detect underdiagnosis at its operating point: {und.get('verdict')}.")
+    elif und:
+        higher = [f"{c['attribute_name'].lower()} {c['group']}" for c in und["groups"] if c.get("verdict") == "higher"]
+        if higher:
+            out.append(f"Underdiagnosis higher than in the rest of the attribute (95% CI of the difference above 0): "
+                       f"{', '.join(higher)}.")
     return out

@@ -1,25 +1,12 @@
 """The external validations' view: per external test set, internal and external AUROC side by side per
-shared finding, each with its CI, the drop with its CI (``chexflow.evaluate.external``), and the
-findings the label map could not match. Renders the records; computes nothing."""
+shared finding, each with its CI, the drop with its CI and verdict (``chexflow.evaluate.external``
+decides it and stores it), and the findings the label map could not match. Renders the records;
+computes nothing."""
 from __future__ import annotations
 
 from typing import Any
 
 from chexflow.report import plots
-
-
-def verdict(drop: dict[str, Any], dataset: str) -> str:
-    """What the drop's CI says, in words."""
-    ci = drop.get("ci")
-    if drop.get("diff") is None:
-        return "undefined: one class in a test set"
-    if ci is None:
-        return "no CI"
-    if ci[0] > 0:
-        return f"lower on {dataset} (CI of the drop above 0)"
-    if ci[1] < 0:
-        return f"higher on {dataset} (CI of the drop below 0)"
-    return "no difference shown (CI of the drop includes 0)"
 
 
 def labelling_text(labelling: dict[str, Any] | None) -> str | None:
@@ -40,7 +27,7 @@ def labelling_text(labelling: dict[str, Any] | None) -> str | None:
 def _side(e: dict[str, Any]) -> dict[str, Any]:
     ci = e.get("ci") or [None, None]
     return {"auroc": e.get("auroc"), "ci_low": ci[0], "ci_high": ci[1], "n_pos": e.get("n_pos"),
-            "n_neg": e.get("n_neg"), "n_unknown": e.get("n_unknown")}
+            "n_neg": e.get("n_neg"), "n_unknown": e.get("n_unknown"), "too_few": e.get("too_few")}
 
 
 def external_view(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -53,15 +40,15 @@ def external_view(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             ci = drop.get("ci") or [None, None]
             rows.append({"display": plots.display_name(f["finding"]), "external_label": f["external_label"],
                          "internal": _side(f["internal"]), "external": _side(f["external"]), "drop": drop.get("diff"),
-                         "drop_ci_low": ci[0], "drop_ci_high": ci[1], "verdict": verdict(drop, name),
-                         "lower": ci[0] is not None and ci[0] > 0})
+                         "drop_ci_low": ci[0], "drop_ci_high": ci[1], "verdict": drop.get("verdict_text"),
+                         "lower": drop.get("verdict") == "lower"})
         mean = rec["mean"]
         mci = mean.get("ci") or [None, None]
         lm = rec["label_map"]
         out.append({"name": name, "title": rec.get("title") or name, "split_source": rec.get("split_source"),
                     "synthetic": rec.get("synthetic"), "n_images": rec["n_images"], "n_patients": rec["n_patients"],
                     "rows": rows, "mean": {**mean, "ci_low": mci[0], "ci_high": mci[1],
-                                            "verdict": verdict({"diff": mean.get("drop"), "ci": mean.get("ci")}, name)},
+                                            "verdict": mean.get("verdict_text")},
                     "model_only": [plots.display_name(x) for x in lm["model_only"]], "data_only": lm["data_only"],
                     "near": lm.get("near_not_matched") or [], "labelling": labelling_text(rec.get("labelling")),
                     "bootstrap": rec["bootstrap"], "statistic": rec.get("statistic")})

@@ -104,8 +104,9 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
         # what newer evaluations add (absent keys: the section says nothing)
         "raw_labels": data["labels"],
         **{key: data.get(key) for key in ("model_epoch", "model_val_metric", "model_init", "model_arch", "model_seed",
-                                          "min_val_positives", "calibration_bins", "subgroups", "localisation",
-                                          "underdiagnosis", "host", "training_host")},
+                                          "min_val_positives", "min_patients", "calibration_bins", "subgroups",
+                                          "localisation", "underdiagnosis", "host", "training_host",
+                                          "published_comparable")},
         **{key: boot.get(key) for key in ("mean_rule", "mean_resamples_used", "n_resamples")},
     }
 

@@ -21,7 +21,7 @@ from chexflow.report.errors import ReportInputError
 from chexflow.report.inputs import (INPUTS, check_inputs, load_benchmark, load_external, load_manifest,
                                     load_metrics_json, load_metrics_jsonl, load_predictions)
 from chexflow.report.provenance import collect_provenance, package_versions
-from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, published_apply, roc_view
+from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, roc_view
 from chexflow.report.run_view import dataset_view, run_view
 from chexflow.report.run_view import training_view
 from chexflow.report.studies_view import ablation_view, scaling_view, sweep_view
@@ -42,7 +42,10 @@ def limitations_of(ctx: dict[str, Any]) -> list[str]:
     undefined = [r.display for r in ctx["rows"] if r.ours is None]
     if undefined:
         out.append(f"No test AUROC for {', '.join(undefined)}: a single class in the test split.")
-    weak = [r.display for r in ctx["rows"] if r.ci_low is not None and r.ci_low <= 0.5]
+    few = [f"{r.display} ({r.too_few})" for r in ctx["rows"] if r.too_few]
+    if few:
+        out.append(f"AUROC without a CI, too few patients: {'; '.join(few)}.")
+    weak = [r.display for r in ctx["rows"] if r.vs_chance in ("includes", "below")]
     if weak:
         out.append(f"The AUROC CI includes chance (0.5) or lies below it for {', '.join(weak)}.")
     roc = ctx["roc"]
@@ -114,9 +117,10 @@ def render_report(out_html: Path, *, inputs: dict[str, Any], config: dict, prove
         "mean": mean_row(rows, metrics, synthetic=bool(synthetic)),
         "below_chance": [r for r in rows if r.ours is not None and r.ours < 0.5],
         "bars": plots.auroc_bars(labels, {r.label: r.ours for r in rows},
-                                 *((published.CHEXNET_AUROC, published.WANG2017_AUROC) if published_apply(labels)
+                                 *((published.CHEXNET_AUROC, published.WANG2017_AUROC) if metrics.get("published_comparable")
                                    else ({}, {}))),
         "has_ci": any(r.ci_low is not None for r in rows),
+        "min_patients": metrics.get("min_patients"),
         "roc": roc,
         "calibration": calibration_view(metrics, predictions, labels),
         "subgroups": analyses.subgroup_view(metrics),

@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_curve
 
-from chexflow.data import nih
 from chexflow.evaluate import published
 from chexflow.evaluate.metrics import precision_recall
 from chexflow.report import plots
@@ -29,6 +28,9 @@ class AurocRow:
     wang: float | None
     n_pos_patients: Any = None
     synthetic: bool = False          # published numbers for orientation only: no difference
+    too_few: str | None = None       # the small-count rule's words (the CI withheld)
+    dropped: int | None = None       # bootstrap resamples dropped (one class in the resample)
+    vs_chance: str | None = None     # the evaluation's verdict of the CI against 0.5 (above, includes, below)
 
     @property
     def diff(self) -> float | None:
@@ -38,26 +40,23 @@ class AurocRow:
 
     @property
     def chance_note(self) -> str:
-        """Below 0.5: whether the CI says worse than chance or cannot tell."""
+        """Below 0.5: the evaluation's verdict of the CI against chance, in words."""
         if self.ours is None or self.ours >= 0.5:
             return ""
-        if self.ci_high is not None and self.ci_high < 0.5:
-            return "below chance (CI below 0.5)"
-        return "below 0.5, CI includes chance" if self.ci_low is not None else "below 0.5, no CI"
-
-
-def published_apply(labels: list[str]) -> bool:
-    """Whether the published ChestX-ray14 numbers stand beside these findings (NIH's own 14)."""
-    return tuple(labels) == nih.LABELS
+        return {"below": "below chance (CI below 0.5)", "includes": "below 0.5, CI includes chance"}.get(
+            self.vs_chance or "", "below 0.5, no CI")
 
 
 def auroc_rows(metrics: dict[str, Any], *, synthetic: bool = False) -> list[AurocRow]:
-    nih_findings = published_apply(list(metrics["labels"]))
+    nih_findings = bool(metrics.get("published_comparable"))     # decided by evaluation
     return [AurocRow(label=lab, display=plots.display_name(lab), ours=e["auroc"], ci_low=e["ci_low"],
                      ci_high=e["ci_high"], n_pos=e["n_pos"], n_neg=e["n_neg"],
                      chexnet=published.CHEXNET_AUROC.get(lab) if nih_findings else None,
                      wang=published.WANG2017_AUROC.get(lab) if nih_findings else None,
-                     n_pos_patients=metrics["raw_labels"][lab].get("n_pos_patients"), synthetic=synthetic)
+                     n_pos_patients=metrics["raw_labels"][lab].get("n_pos_patients"), synthetic=synthetic,
+                     too_few=metrics["raw_labels"][lab].get("too_few"),
+                     dropped=metrics["raw_labels"][lab].get("ci_resamples_dropped"),
+                     vs_chance=metrics["raw_labels"][lab].get("vs_chance"))
             for lab, e in metrics["labels"].items()]
 
 
@@ -106,6 +105,7 @@ def roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]
                 curves[lab] = (fpr, tpr, entries[lab]["auroc"], dot)     # the title: the recorded AUROC
         raw = metrics["raw_labels"][lab]
         ops.append({"display": plots.display_name(lab), "op": op, "split": split,
+                    "iv": raw.get("test_operating_point_intervals") or {},
                     "val_pos": raw.get("val_positives"), "val_pos_patients": raw.get("val_positive_patients"),
                     "few": bool(raw.get("threshold_few_positives")) and split == "validation"})
     return {"plot": plots.roc_grid(curves) if curves else None, "operating_points": ops,
@@ -118,8 +118,10 @@ def roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]
 def calibration_view(metrics: dict[str, Any], df: pd.DataFrame | None, labels: list[str]) -> dict[str, Any] | None:
     raw = metrics["raw_labels"]
     rows = [{"display": plots.display_name(lab), "auprc": raw[lab].get("auprc"),
-             "prevalence": raw[lab].get("prevalence"),
-             **{k: (raw[lab].get("calibration") or {}).get(k) for k in ("brier", "ece")}} for lab in labels]
+             "prevalence": raw[lab].get("prevalence"), "too_few": raw[lab].get("too_few"),
+             **{k: (raw[lab].get("calibration") or {}).get(k) for k in ("brier", "ece")},
+             **{k: (raw[lab].get("score_intervals") or {}).get(k) for k in ("auprc_ci", "brier_ci", "ece_ci")}}
+            for lab in labels]
     if all(r["auprc"] is None for r in rows):
         return None
     curves = {}

@@ -47,7 +47,9 @@ def release_text(manifest: dict[str, Any]) -> str:
     cov = manifest.get("coverage")
     if not cov:
         return "coverage not recorded"
-    used = f"{cov['n_found']:,} of {cov['n_listed']:,} listed images"
+    used = f"{cov.get('n_used', cov['n_found']):,} of {cov['n_listed']:,} listed images"
+    if cov.get("n_rejected"):        # found but not usable: the manifest's rejects name each and why
+        used += f", {cov['n_rejected']:,} rejected"
     if manifest.get("labelling"):       # a label-table dataset: images read from its folder, by shard job
         return f"{used}, read from the image folder by {len(cov['parts'])} shard job(s)"
     if cov.get("pilot"):

@@ -49,11 +49,24 @@ def signed(value: Any, digits: int = 4) -> str:
     return "n/a" if value is None else f"{value:+.{digits}f}"
 
 
+def interval(value: Any, digits: int = 3) -> str:
+    """A CI as "low-high": ``value`` a [low, high] pair, or a record entry with ``ci`` (and ``too_few``: the
+    small-count rule's words, shown instead); "n/a" where there is none. Never a made-up interval."""
+    if isinstance(value, dict):
+        if value.get("too_few"):
+            return str(value["too_few"])
+        value = value.get("ci")
+    if not value or value[0] is None:
+        return "n/a"
+    return f"{value[0]:.{digits}f}-{value[1]:.{digits}f}"
+
+
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
                              lstrip_blocks=True, loader=jinja2.PackageLoader("chexflow.report", "templates"))
     env.filters["fmt"] = fmt
     env.filters["signed"] = signed
+    env.filters["interval"] = interval
     return env
 
 
