@@ -191,6 +191,24 @@ def test_external_set_gets_the_internal_audits_and_only_its_test_split_sharded(r
         if ext is not None:
             assert ext["n"] == known.sum() and ext["brier"] == pytest.approx(np.mean((s[known] - y[known]) ** 2),
                                                                              abs=1e-6)
+        # each ECE and Brier score with its interval, the internal one's as the internal record has it
+        assert f["calibration"]["internal_intervals"] == internal["labels"][f["finding"]].get("score_intervals")
+        ext_iv = f["calibration"]["external_intervals"]
+        assert (ext_iv is not None) == (ext is not None and not f["external"]["too_few"])
+        if ext_iv is not None:
+            assert ext_iv["ece_ci"][0] <= ext_iv["ece_ci"][1] and ext_iv["brier_ci"][0] <= ext["brier"] <= 1
+    # underdiagnosis at the internal validation's call: its images with a matched finding and its normal ones
+    und = rec["underdiagnosis"]
+    assert und["call"] == internal["underdiagnosis"]["call"] and "matched findings" in und["scope"]
+    assert und["internal_overall"] == internal["underdiagnosis"]["overall"]
+    names = [f["finding"] for f in rec["findings"]]
+    targets = pred[names].to_numpy()
+    if und["call"]["threshold"] is None:
+        assert und["overall"] is None and und["note"]
+    else:
+        used = [n for n in names if n in und["call"]["findings"]]
+        has = (pred[used].to_numpy() == 1).any(axis=1)
+        assert und["overall"]["image"]["n"] == has.sum() and und["overall"]["n_images"] == len(targets)
     test_rows = [r for r in run["folder"].rows if r["subset"] == "test" and r["projection"] != "LL"]
     groups = {(g["attribute"], g["group"]): g["n_images"] for g in rec["subgroups"]["groups"]}
     assert (groups[("sex", "male")], groups[("sex", "female")]) == (sum(r["sex"] == "M" for r in test_rows),
@@ -219,6 +237,10 @@ def test_report_and_model_card_state_the_external_validation(run):
     ext = card.split("## External validation")[1].split("## Intended use")[0]
     assert "Hospital B (phantoms)" in ext and "| Pleural Effusion | Effusion |" in ext
     assert "Not externally validated (no matching label)" in ext
+    # the internal audits on the external set, beside the internal ones
+    assert 'id="external-calibration-hospital_b"' in section and 'id="external-subgroups-hospital_b"' in section
+    assert "Underdiagnosis on both test sets" in section and rec["underdiagnosis"]["scope"].replace("'", "&#39;") in section
+    assert "0.000-0.000" not in section
 
 
 def _docs_example() -> str:

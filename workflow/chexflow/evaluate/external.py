@@ -30,7 +30,7 @@ from chexflow.data import labelmap
 from chexflow.data.manifest import read_manifest, split_shards
 from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
-from chexflow.evaluate import intervals, subgroups
+from chexflow.evaluate import intervals, subgroups, underdiagnosis
 from chexflow.evaluate.metrics import calibration, independent_bootstrap_auroc_diff, positives
 from chexflow.evaluate.record import read_metrics, read_predictions, write_predictions
 from chexflow.evaluate.run import predict
@@ -40,6 +40,12 @@ from chexflow.train.checkpoint import load_model
 STATISTIC = ("drop = internal AUROC - external AUROC; 95% CI: percentile bootstrap, each test set's patients "
              "resampled independently (the sets share no patient), resample k of the drop = resample k of the "
              "internal set - resample k of the external set")
+
+
+# what "no finding" means on an external set: its table labels only the matched findings
+UNDERDIAGNOSIS_SCOPE = ("the internal validation's call, applied to the external test set; an image counts as "
+                        "having a finding when one of the matched findings is positive, and as normal when none is "
+                        "(its table's other findings are not the model's: unknown here)")
 
 
 class TestSet(NamedTuple):
@@ -87,7 +93,10 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
     stat = independent_bootstrap_auroc_diff(inner, ext, names, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     result = _record(cfg, m, manifest, found, stat, internal, ext, inner, info)
     result.update(n_images=int(len(images)), n_patients=int(len(set(patients))))
-    _audit(cfg, result, ext, names, images, label_table)
+    every = np.full(scored.scores.shape, np.nan)
+    every[:, ours] = scored.targets[:, theirs]
+    call = _internal_call(internal, model_labels, internal_metrics)
+    _audit(cfg, result, ext, names, images, label_table, internal, (every, scored.scores, model_labels, call))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tables(out_dir, result, found, images, patients, ext)
@@ -130,15 +139,23 @@ def _record(cfg: EvaluateConfig, m: dict, manifest: Path, found: labelmap.Match,
 
 
 def _audit(cfg: EvaluateConfig, result: dict, ext: TestSet, names: list[str], images: list[str],
-           label_table: Path | None) -> None:
-    """The internal evaluation's calibration and subgroup audits on the external set's matched findings
-    (``evaluate.run``'s calls and settings), into ``result``: each finding's ``calibration`` beside the
-    internal one, and ``subgroups`` with a label table."""
+           label_table: Path | None, internal: dict, everything: tuple) -> None:
+    """The internal evaluation's audits on the external set (``evaluate.run``'s calls and settings), into
+    ``result``: each matched finding's ``calibration`` (ECE, Brier, bins) with its intervals beside the
+    internal one's; ``subgroups`` with a label table; ``underdiagnosis`` at the internal validation's
+    "no finding" call, beside the internal test set's overall cell. ``everything``: the external targets
+    of every model label (NaN where the label map matched none), the scores, the model's labels, the call."""
     for k, entry in enumerate(result["findings"]):
-        y = ext.targets[:, k]
+        y, s = ext.targets[:, k], ext.scores[:, k]
         known = ~np.isnan(y)
-        entry["calibration"]["external"] = (calibration(y, ext.scores[:, k], n_bins=cfg.calibration_bins)
-                                            if len(np.unique(y[known])) == 2 else None)
+        cal = entry["calibration"]
+        cal["external"] = (calibration(y, s, n_bins=cfg.calibration_bins)
+                           if len(np.unique(y[known])) == 2 else None)
+        cal["internal_intervals"] = (internal["labels"][entry["finding"]] or {}).get("score_intervals")
+        cal["external_intervals"] = None if cal["external"] is None or entry["external"].get("too_few") else \
+            intervals.score_intervals(y[known], s[known], ext.patients[known], n_bins=cfg.calibration_bins,
+                                      n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
+    fields = None
     if label_table is not None:
         fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
         result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients,
@@ -146,6 +163,31 @@ def _audit(cfg: EvaluateConfig, result: dict, ext: TestSet, names: list[str], im
                                    ext.targets, ext.scores, ext.patients, names, fields, age_edges=cfg.age_bands,
                                    min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
                                    seed=cfg.seed)}
+    call = everything[3]
+    if call is not None:
+        y_all, s_all, labels, _ = everything
+        audit = underdiagnosis.audit(y_all, s_all, ext.patients, labels, call, fields, age_edges=cfg.age_bands,
+                                     min_patients=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
+                                     seed=cfg.seed, images=images)
+        result["underdiagnosis"] = {**audit, "internal_overall": internal["underdiagnosis"].get("overall"),
+                                    "internal_verdict": internal["underdiagnosis"].get("verdict"),
+                                    "scope": UNDERDIAGNOSIS_SCOPE}
+
+
+def _internal_call(internal: dict, labels: list[str], where: Path) -> dict | None:
+    """The internal evaluation's "no finding" call (metrics.json ``underdiagnosis.call``), checked as
+    untrusted input; None when that evaluation has no audit."""
+    call = (internal.get("underdiagnosis") or {}).get("call")
+    if call is None:
+        return None
+    thr = call.get("threshold") if isinstance(call, dict) else "?"
+    findings = call.get("findings") if isinstance(call, dict) else None
+    if not (thr is None or (isinstance(thr, (int, float)) and not isinstance(thr, bool) and np.isfinite(thr))) \
+            or not isinstance(findings, list) or not set(findings) <= set(labels):
+        raise ExternalInputError(f"{where}: underdiagnosis.call must "
+                                 "name a finite threshold (or null) and findings among the model's labels, got "
+                                 f"{call!r}"[:300])
+    return call
 
 
 def drop_verdict(drop: dict, dataset: str | None, *, too_few: str | None = None) -> dict:

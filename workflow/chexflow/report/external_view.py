@@ -1,7 +1,8 @@
 """The external validations' view: per external test set, internal and external AUROC side by side per
 shared finding, each with its CI, the drop with its CI and verdict (``chexflow.evaluate.external``
-decides it and stores it), and the findings the label map could not match. Renders the records;
-computes nothing."""
+decides it and stores it), the findings the label map could not match, and the internal audits on the
+external set beside the internal ones (calibration, AUROC by subgroup, underdiagnosis). Renders the
+records; computes nothing."""
 from __future__ import annotations
 
 from typing import Any
@@ -30,6 +31,25 @@ def _side(e: dict[str, Any]) -> dict[str, Any]:
             "n_neg": e.get("n_neg"), "n_unknown": e.get("n_unknown"), "too_few": e.get("too_few")}
 
 
+def _calibration(f: dict[str, Any]) -> dict[str, Any]:
+    """A matched finding's ECE and Brier score on each test set, each with its interval (or none)."""
+    cal = f.get("calibration") or {}
+
+    def side(which: str) -> dict[str, Any]:
+        c, iv = cal.get(which) or {}, cal.get(f"{which}_intervals") or {}
+        return {"ece": c.get("ece"), "ece_ci": iv.get("ece_ci"), "brier": c.get("brier"), "brier_ci": iv.get("brier_ci")}
+    return {"display": plots.display_name(f["finding"]), "internal": side("internal"), "external": side("external")}
+
+
+def _subgroups(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The external set's AUROC by subgroup: each group's mean over its findings with enough patients."""
+    sub = rec.get("subgroups") or {}
+    return [{"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
+             "mean_auroc": g.get("mean_auroc"), "ci": g.get("mean_ci"),
+             "findings": [plots.display_name(x) for x in g.get("mean_labels") or []], "note": g.get("note") or ""}
+            for g in sub.get("groups") or []]
+
+
 def external_view(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per external test set (records by dataset name), in the order given."""
     out = []
@@ -51,7 +71,9 @@ def external_view(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                                             "verdict": mean.get("verdict_text")},
                     "model_only": [plots.display_name(x) for x in lm["model_only"]], "data_only": lm["data_only"],
                     "near": lm.get("near_not_matched") or [], "labelling": labelling_text(rec.get("labelling")),
-                    "bootstrap": rec["bootstrap"], "statistic": rec.get("statistic")})
+                    "bootstrap": rec["bootstrap"], "statistic": rec.get("statistic"),
+                    "calibration": [_calibration(f) for f in rec["findings"]], "subgroups": _subgroups(rec),
+                    "underdiagnosis": rec.get("underdiagnosis")})
     return out
 
 
