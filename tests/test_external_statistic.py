@@ -190,3 +190,20 @@ def test_the_drop_verdict_is_the_evaluations_and_withheld_below_the_minimum():
     view = external_view.external_view({"chexpert": record})
     assert view[0]["rows"][0]["verdict"] == few["verdict_text"] and not view[0]["rows"][0]["lower"]
     assert external_view.limitations(view) == []          # no "lower for Pneumothorax" from one positive
+
+
+@pytest.mark.parametrize("call", [{"threshold": "0.3", "findings": ["A"]}, {"threshold": float("nan"), "findings": ["A"]},
+                                  {"threshold": True, "findings": ["A"]}, {"threshold": 0.3, "findings": ["Z"]},
+                                  {"threshold": 0.3, "findings": "A"}, "0.3"])
+def test_the_internal_call_an_external_audit_applies_is_checked_as_untrusted_input(tmp_path, call):
+    """metrics.json's "no finding" call reaches the external audit only as a finite threshold (or null) over
+    the model's findings; anything else is one line naming the file."""
+    from chexflow.evaluate.external import _internal_call
+    from chexflow.evaluate.external_record import ExternalInputError
+    where = tmp_path / "metrics.json"
+    assert _internal_call({"underdiagnosis": {"call": {"threshold": 0.3, "findings": ["A"]}}}, ["A", "B"],
+                          where)["threshold"] == 0.3
+    assert _internal_call({"underdiagnosis": {"call": {"threshold": None, "findings": []}}}, ["A"], where) is not None
+    assert _internal_call({}, ["A"], where) is None
+    with pytest.raises(ExternalInputError, match=f"^{where}: underdiagnosis.call must name a finite threshold"):
+        _internal_call({"underdiagnosis": {"call": call}}, ["A", "B"], where)
