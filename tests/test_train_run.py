@@ -121,5 +121,5 @@ def test_exit_codes_and_the_divergence_marker_exist_once():
             literal = isinstance(node, ast.Constant) and not isinstance(node.value, bool)
             if literal and node.value in ("diverged.json", 143):
                 literals.setdefault(node.value, set()).add(where)
-    assert defined == {name: {"train/trainer.py"} for name in ("EXIT_PREEMPTED", "EXIT_DIVERGED", "DIVERGED_MARKER")}
-    assert literals == {"diverged.json": {"train/trainer.py"}, 143: {"train/trainer.py"}}
+    assert defined == {name: {"train/epoch_report.py"} for name in ("EXIT_PREEMPTED", "EXIT_DIVERGED", "DIVERGED_MARKER")}
+    assert literals == {"diverged.json": {"train/epoch_report.py"}, 143: {"train/epoch_report.py"}}
