@@ -6,6 +6,8 @@ process compares the time since the last mark with a bound derived from the run 
 
     bound = start_s                                  until the first mark
     bound = max(floor_s, factor x the longest gap between two marks seen so far)   after it
+    bound = start_s                                  once the process marks no pace (:func:`unpaced`:
+                                                     evaluation's statistics after its last batch)
 
 When nothing has progressed for longer than the bound, the watchdog writes every thread's stack of
 this process to stderr (the job's log; ``faulthandler``), asks the loader workers for theirs
@@ -85,24 +87,32 @@ class Watchdog:
         self.phase, self.marks = "start-up", 0
         self.last = clock()
         self.slowest = 0.0
+        self.unpaced = False        # past its last paced mark (evaluation's statistics): start_s bounds it
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ marks
     def beat(self, phase: str) -> None:
         now = self.clock()
-        if self.marks:
+        if self.marks and not self.unpaced:
             self.slowest = max(self.slowest, now - self.last)
         self.last, self.phase, self.marks = now, phase, self.marks + 1
 
+    def unpace(self, phase: str) -> None:
+        """From here on the process marks no pace of its own (a computation after its last batch whose
+        length no earlier gap predicts): the bound is start_s again, and no gap counts as a step's."""
+        self.beat(phase)
+        self.unpaced = True
+
     def bound(self) -> float:
-        if not self.marks:
+        if not self.marks or self.unpaced:
             return self.cfg.start_s
         return max(self.cfg.floor_s, self.cfg.factor * self.slowest)
 
     def why_bound(self) -> str:
         if not self.marks:
             return f"start_s {self.cfg.start_s:g} s before the first progress"
+        if self.unpaced:
+            return f"start_s {self.cfg.start_s:g} s in {self.phase}, which marks no pace"
         return (f"max(floor_s {self.cfg.floor_s:g} s, factor {self.cfg.factor:g} x the slowest gap "
                 f"{self.slowest:.2f} s)")
 
@@ -113,8 +123,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------ the thread
     def start(self) -> "Watchdog":
-        self._thread = threading.Thread(target=self._watch, name="chexflow-watchdog", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._watch, name="chexflow-watchdog", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -204,6 +213,8 @@ def stop_children(grace_s: float = 1.0) -> None:
         return
     server = getattr(getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None),
                      "_forkserver_pid", None)
+    if not children:
+        return
     for child in children:
         if child.pid != server:
             _signal(child, STACK_SIGNAL)
@@ -243,6 +254,12 @@ def beat(phase: str) -> None:
     no watchdog is armed."""
     if _ACTIVE is not None:
         _ACTIVE.beat(phase)
+
+
+def unpaced(phase: str) -> None:
+    """The rest of this process marks no pace (:meth:`Watchdog.unpace`); nothing when no watchdog is armed."""
+    if _ACTIVE is not None:
+        _ACTIVE.unpace(phase)
 
 
 def name_process(who: str) -> None:

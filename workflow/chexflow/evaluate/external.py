@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from chexflow import watchdog
 from chexflow.data import labelmap
 from chexflow.data.manifest import read_manifest, split_shards
 from chexflow.evaluate.config import EvaluateConfig
@@ -90,6 +91,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
         raise ExternalInputError(f"{internal_predictions}: {len(pred)} rows, but {internal_metrics} counts "
                                  f"{internal['n_images']} test images: not the same evaluation")
     names = [a for a, _ in found.pairs]
+    watchdog.unpaced("statistics")          # the bootstraps and audits: no batch's pace predicts them
     stat = independent_bootstrap_auroc_diff(inner, ext, names, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     result = _record(cfg, m, manifest, found, stat, internal, ext, inner, info)
     result.update(n_images=int(len(images)), n_patients=int(len(set(patients))))
