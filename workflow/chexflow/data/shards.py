@@ -370,6 +370,7 @@ def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg
     table = pd.read_csv(io.BytesIO(read_regular(splits_csv, what="split table")), dtype=str)
     missing = ~table["image"].isin(found)
     n_listed, n_missing = len(table), int(missing.sum())
+    n_rejected = int(table["image"].isin(rejected).sum())
     examples = table.loc[missing, "image"].head(MISSING_EXAMPLES).tolist()
     pilot = cfg.archives is not None
     per_split = {split: {"n_listed": int(len(g)), "n_found": int((~missing[g.index]).sum())}
@@ -392,8 +393,7 @@ def coverage(name: str, splits_csv: Path, found: set[str], parts: list[str], cfg
             "parts": list(parts),
             "n_release_parts": len(release_parts),
             "n_listed": n_listed, "n_found": n_listed - n_missing, "n_missing": n_missing,
-            "n_rejected": (n_rejected := int(table["image"].isin(rejected).sum())),
-            "n_used": n_listed - n_missing - n_rejected,
+            "n_rejected": n_rejected, "n_used": n_listed - n_missing - n_rejected,
             "missing_examples": examples, "per_split": per_split}
 
 
