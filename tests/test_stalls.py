@@ -31,8 +31,9 @@ from conftest import checkpoint_step, cli_env, horovod_available, loader_workers
 from test_faults import start, train_cmd, wait_for
 
 EXIT_STALLED = 14
-# the tests' bound: 10 s, or 10 x the run's slowest gap between two steps when that is longer
-TEST_WATCHDOG = json.dumps({"start_s": 600, "floor_s": 10, "factor": 10})
+# the tests' bound: 30 s, or 10 x the run's slowest gap between two steps when that is longer (an epoch's end
+# writes the best model and a checkpoint, tens of MB each: seconds on a slow disk, near a 10 s floor)
+TEST_WATCHDOG = json.dumps({"start_s": 600, "floor_s": 30, "factor": 10})
 
 
 # ------------------------------------------------------------------------ (a) the deadlock, on purpose
@@ -112,7 +113,7 @@ def test_the_bound_is_start_s_until_the_first_mark_then_the_floor_or_factor_time
 def test_the_settings_come_from_the_environment_checked():
     assert watchdog.config_from_env({}) == watchdog.WatchdogConfig()
     cfg = watchdog.config_from_env({watchdog.ENV: TEST_WATCHDOG})
-    assert (cfg.start_s, cfg.floor_s, cfg.factor) == (600, 10, 10)
+    assert (cfg.start_s, cfg.floor_s, cfg.factor) == (600, 30, 10)
     with pytest.raises(ConfigError, match=r"watchdog\.factor: 0\.5 is not >= 1"):
         watchdog.config_from_env({watchdog.ENV: '{"factor": 0.5}'})
     with pytest.raises(Exception, match="CHEXFLOW_WATCHDOG: not JSON"):
@@ -137,9 +138,9 @@ def test_every_way_a_worker_ends_is_one_line_with_its_own_exit_status(text, line
 
 
 # ------------------------------------------------------------------------ (b) a worker stopped
-def _stopped_run(cmd: list[str], log, pick) -> tuple[int, str, int]:
+def _stopped_run(cmd: list[str], log, pick, settings: str = TEST_WATCHDOG) -> tuple[int, str, int]:
     """Start ``cmd``; once ``pick(pid)`` names a loader worker, SIGSTOP it; (exit status, log, its pid)."""
-    env = {**cli_env(), watchdog.ENV: TEST_WATCHDOG}
+    env = {**cli_env(), watchdog.ENV: settings}
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         chosen = []
@@ -174,7 +175,7 @@ def _weights(path) -> dict:
 def _assert_the_line(text: str, phase: str, waiting: str) -> None:
     last = [line for line in text.splitlines() if line.startswith("chexflow train: ")][-1]
     assert re.fullmatch(rf"chexflow train: rank 0 of \d+ \(pid \d+\): no progress for \d+ s in {phase} \(bound \d+ s: "
-                        rf"max\(floor_s 10 s, factor 10 x the slowest gap [\d.]+ s\)\): {waiting} \(stacks above\) "
+                        rf"max\(floor_s 30 s, factor 10 x the slowest gap [\d.]+ s\)\): {waiting} \(stacks above\) "
                         r"\(a stall: the job exits 14 .*\)", last), last
     assert "every thread's stack" in text and 'File "' in text and "Thread 0x" in text, text[-3000:]
     assert "Traceback (most recent call last)" not in text, text[-3000:]
@@ -239,7 +240,10 @@ def test_a_stopped_rank_ends_the_job_within_the_bound_and_the_rerun_resumes(demo
         ranks = [p for p in ranks if p.environ().get("HOROVOD_RANK", p.environ().get("RANK")) == "1"]
         return ranks[0].pid if ranks else None
 
-    code, text, pid = _stopped_run(launch, tmp_path / "first.log", rank_1)
+    # a 10 s floor: below Horovod's own 30 s gloo timeout (HOROVOD_GLOO_TIMEOUT_SECONDS), which would
+    # otherwise end the waiting rank first, with Horovod's traceback instead of the watchdog's line
+    code, text, pid = _stopped_run(launch, tmp_path / "first.log", rank_1,
+                                   json.dumps({"start_s": 600, "floor_s": 10, "factor": 10}))
     assert code == EXIT_STALLED, text[-4000:]
     assert re.search(r"chexflow train: rank 0 of 2 \(pid \d+\): no progress for \d+ s in \w+ \(bound \d+ s: .*\): "
                      r"collective \w+ \(\w+\.py:\d+\)", text), text[-4000:]
@@ -265,7 +269,7 @@ def test_a_stall_in_this_process_is_one_line_a_stack_dump_and_exit_14(tmp_path):
     assert proc.returncode == EXIT_STALLED, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"chexflow evaluate: pid \d+: no progress for \d+ s in evaluation \(bound \d+ s: max\(floor_s 2 s, "
-                        r"factor 10 x the slowest gap 0\.\d\d s\)\) \(stacks above\) \(a stall: .*\)", last), last
+                        r"factor 10 x the slowest gap \d+\.\d\d s\)\) \(stacks above\) \(a stall: .*\)", last), last
     assert 'File "<string>", line 3 in <module>' in proc.stderr
 
 
@@ -283,3 +287,25 @@ def test_time_a_process_spends_stopped_is_not_a_stall(tmp_path):
     time.sleep(8)
     os.kill(proc.pid, signal.SIGCONT)
     assert proc.wait(timeout=300) == 0 and proc.stdout.read() == "done\n"
+
+
+def test_a_process_past_its_last_paced_mark_is_bounded_by_start_s_and_its_gaps_set_no_pace():
+    """Evaluation's statistics after its last batch (minutes at ChestX-ray14's size) are no stall at a
+    bound its batches set: start_s bounds them, and their marks do not become the run's slowest gap."""
+    now = [0.0]
+    dog = watchdog.Watchdog(watchdog.WatchdogConfig(start_s=50, floor_s=2, factor=10), command="evaluate",
+                            clock=lambda: now[0])
+    dog.beat("evaluation")
+    now[0] += 0.1
+    dog.beat("evaluation")
+    assert dog.bound() == 2                  # max(2, 10 x 0.1)
+    now[0] += 0.1
+    dog.unpace("statistics")
+    assert (dog.bound(), dog.phase) == (50, "statistics")
+    assert dog.why_bound() == "start_s 50 s in statistics, which marks no pace"
+    now[0] += 49
+    assert dog.stalled_for() is None
+    dog.beat("evaluation")                   # a batch of the heatmaps' inputs: still no pace
+    assert (dog.slowest, dog.bound()) == (pytest.approx(0.1), 50)
+    now[0] += 50.5
+    assert dog.stalled_for() == pytest.approx(50.5)
