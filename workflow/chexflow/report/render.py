@@ -22,8 +22,7 @@ from chexflow.report.inputs import (INPUTS, check_inputs, load_benchmark, load_e
                                     load_metrics_json, load_metrics_jsonl, load_predictions)
 from chexflow.report.provenance import collect_provenance, package_versions
 from chexflow.report.results_view import auroc_rows, calibration_view, mean_row, roc_view
-from chexflow.report.run_view import dataset_view, run_view
-from chexflow.report.run_view import training_view
+from chexflow.report.run_view import dataset_view, run_view, training_view
 from chexflow.report.studies_view import ablation_view, scaling_view, sweep_view
 from chexflow.report.templating import MODEL_CARD_TEMPLATE, config_yaml, hms, template
 

@@ -60,11 +60,6 @@ def auroc_rows(metrics: dict[str, Any], *, synthetic: bool = False) -> list[Auro
             for lab, e in metrics["labels"].items()]
 
 
-def mean_of(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return float(np.mean(vals)) if vals else None
-
-
 def mean_row(rows: list[AurocRow], metrics: dict[str, Any], *, synthetic: bool = False) -> dict[str, Any]:
     defined = [r for r in rows if r.ours is not None]
     chexnet = mean_of([r.chexnet for r in defined])
@@ -77,7 +72,6 @@ def mean_row(rows: list[AurocRow], metrics: dict[str, Any], *, synthetic: bool =
         "n_defined": len(defined), "n_labels": len(rows), "rule": metrics.get("mean_rule"),
         "resamples_used": metrics.get("mean_resamples_used"), "n_resamples": metrics.get("n_resamples"),
     }
-
 
 
 def roc_view(df: pd.DataFrame | None, labels: list[str], metrics: dict[str, Any]) -> dict[str, Any] | None:
