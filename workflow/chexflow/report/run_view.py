@@ -17,10 +17,9 @@ EPOCH_KEYS = ("epoch", "train_loss", "val_loss", "val_metric", "val_metric_name"
 
 
 def dataset_view(name: str, manifest: dict[str, Any], path: Path) -> dict[str, Any]:
-    splits = []
-    for split, info in manifest["splits"].items():
-        splits.append({"name": split, "n_images": info.get("n_images"), "n_patients": info.get("n_patients"),
-                       "n_shards": info.get("n_shards", len(info.get("shards", []) or []))})
+    splits = [{"name": split, "n_images": info.get("n_images"), "n_patients": info.get("n_patients"),
+               "n_shards": info.get("n_shards", len(info.get("shards", []) or [])), "n_listed": info.get("n_listed")}
+              for split, info in manifest["splits"].items()]
     prevalence = []
     for label in manifest["labels"]:
         cells = []
@@ -31,8 +30,6 @@ def dataset_view(name: str, manifest: dict[str, Any], path: Path) -> dict[str, A
         unknown = [(info.get("unknown_counts") or {}).get(label) for info in manifest["splits"].values()]
         prevalence.append({"label": plots.display_name(str(label)), "cells": cells,
                            "unknown": unknown if any(unknown) else None})
-    for row, (split, info) in zip(splits, manifest["splits"].items()):
-        row["n_listed"] = info.get("n_listed")
     return {"name": name, "title": manifest.get("title", name), "synthetic": bool(manifest.get("synthetic", False)),
             "split_source": manifest.get("split_source"), "release": release_text(manifest),
             "task": manifest.get("task", "?"), "image_size": manifest.get("image_size"),
