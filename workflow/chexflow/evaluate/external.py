@@ -225,13 +225,11 @@ def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: li
     write_predictions(out_dir / "predictions.csv", pd.DataFrame(cols))
     rows = [{"finding": f["finding"], "external_label": f["external_label"],
              **{f"{side}_{k}": v for side in ("internal", "external")
-                for k, v in zip(("auroc", "ci_low", "ci_high"), (f[side]["auroc"], *(f[side]["ci"] or [None, None])))},
-             "drop": f["drop"]["diff"], "drop_ci_low": (f["drop"]["ci"] or [None, None])[0],
-             "drop_ci_high": (f["drop"]["ci"] or [None, None])[1]} for f in result["findings"]]
+                for k, v in {"auroc": f[side]["auroc"], **intervals.ci_columns(f[side]["ci"])}.items()},
+             "drop": f["drop"]["diff"], **intervals.ci_columns(f["drop"]["ci"], "drop_ci")} for f in result["findings"]]
     mean = result["mean"]
     rows.append({"finding": "mean", "internal_auroc": mean["internal"], "external_auroc": mean["external"],
-                 "drop": mean["drop"], "drop_ci_low": (mean["ci"] or [None, None])[0],
-                 "drop_ci_high": (mean["ci"] or [None, None])[1]})
+                 "drop": mean["drop"], **intervals.ci_columns(mean["ci"], "drop_ci")})
     with atomic_path(out_dir / "auroc.csv") as tmp:
         pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
 

@@ -46,6 +46,12 @@ def against_chance(ci: list[float] | None, chance: float = 0.5) -> str | None:
     return "above" if ci[0] > chance else "below" if ci[1] < chance else "includes"
 
 
+def ci_columns(ci: Sequence[float] | None, prefix: str = "ci") -> dict[str, float | None]:
+    """A CI as the columns ``{prefix}_low`` and ``{prefix}_high`` of a table (both None without a CI)."""
+    low, high = ci or (None, None)
+    return {f"{prefix}_low": low, f"{prefix}_high": high}
+
+
 def exact_ci(k: int, n: int, *, alpha: float = 0.05) -> list[float]:
     """Clopper-Pearson interval of k/n (scipy's ``binomtest``); valid where the n units are independent."""
     from scipy.stats import binomtest

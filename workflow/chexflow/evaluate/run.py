@@ -311,13 +311,10 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: Scored, 
         cols[label] = y[:, j]
         cols[f"{label}_score"] = s[:, j]
     write_predictions(out_dir / "predictions.csv", pd.DataFrame(cols))
-    rows = [{"label": L, "auroc": result["labels"][L]["auroc"],
-             "ci_low": (result["labels"][L]["ci"] or [None, None])[0],
-             "ci_high": (result["labels"][L]["ci"] or [None, None])[1],
-             "chexnet": result["labels"][L]["chexnet"], "too_few": result["labels"][L].get("too_few")} for L in labels]
+    rows = [{"label": L, "auroc": e["auroc"], **intervals.ci_columns(e["ci"]), "chexnet": e["chexnet"],
+             "too_few": e.get("too_few")} for L, e in result["labels"].items()]
     rows.append({"label": "mean", "auroc": result["mean_auroc"],
-                 "ci_low": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[0],
-                 "ci_high": (result["bootstrap"]["mean_auroc_ci"] or [None, None])[1],
+                 **intervals.ci_columns(result["bootstrap"]["mean_auroc_ci"]),
                  "chexnet": result["chexnet_mean_same_labels"]})
     with atomic_path(out_dir / "auroc.csv") as tmp:
         pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
@@ -333,8 +330,7 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: Scored, 
         for L, e in result["labels"].items()])
     _csv(out_dir / "subgroups.csv", [
         {"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
-         "label": L, "auroc": e["auroc"], "ci_low": (e["ci"] or [None, None])[0],
-         "ci_high": (e["ci"] or [None, None])[1],
+         "label": L, "auroc": e["auroc"], **intervals.ci_columns(e["ci"]),
          "n_pos": e["n_pos"], "n_neg": e["n_neg"], "n_pos_patients": e["n_pos_patients"],
          "n_neg_patients": e["n_neg_patients"], "note": e["note"]}
         for g in (result.get("subgroups") or {}).get("groups", []) for L, e in g["labels"].items()])
@@ -347,11 +343,9 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: Scored, 
 def _interval_columns(e: dict) -> dict:
     """A finding's intervals as CSV columns: AUPRC, Brier, ECE and the rates at its operating point."""
     si, op = e.get("score_intervals") or {}, e.get("test_operating_point_intervals") or {}
-    cols = {f"{k}_ci_{end}": (si.get(f"{k}_ci") or [None, None])[i] for k in ("auprc", "brier", "ece")
-            for i, end in enumerate(("low", "high"))}
-    cols.update({f"{k}_ci_{end}": ((op.get(k) or {}).get("ci") or [None, None])[i]
-                 for k in ("sensitivity", "specificity", "ppv", "npv") for i, end in enumerate(("low", "high"))})
-    return cols
+    cis = {**{k: si.get(f"{k}_ci") for k in ("auprc", "brier", "ece")},
+           **{k: (op.get(k) or {}).get("ci") for k in ("sensitivity", "specificity", "ppv", "npv")}}
+    return {col: v for k, ci in cis.items() for col, v in intervals.ci_columns(ci, f"{k}_ci").items()}
 
 
 LOCALISATION_COLUMNS = ("image", "patient", "label", "score", "hit", "no_saliency", "point_x", "point_y", "n_tied",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from chexflow.evaluate.intervals import ci_columns
 from chexflow.report import plots
 
 
@@ -26,8 +27,7 @@ def labelling_text(labelling: dict[str, Any] | None) -> str | None:
 
 
 def _side(e: dict[str, Any]) -> dict[str, Any]:
-    ci = e.get("ci") or [None, None]
-    return {"auroc": e.get("auroc"), "ci_low": ci[0], "ci_high": ci[1], "n_pos": e.get("n_pos"),
+    return {"auroc": e.get("auroc"), **ci_columns(e.get("ci")), "n_pos": e.get("n_pos"),
             "n_neg": e.get("n_neg"), "n_unknown": e.get("n_unknown"), "too_few": e.get("too_few")}
 
 
@@ -57,18 +57,15 @@ def external_view(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         rows = []
         for f in rec["findings"]:
             drop = f["drop"]
-            ci = drop.get("ci") or [None, None]
             rows.append({"display": plots.display_name(f["finding"]), "external_label": f["external_label"],
                          "internal": _side(f["internal"]), "external": _side(f["external"]), "drop": drop.get("diff"),
-                         "drop_ci_low": ci[0], "drop_ci_high": ci[1], "verdict": drop.get("verdict_text"),
+                         **ci_columns(drop.get("ci"), "drop_ci"), "verdict": drop.get("verdict_text"),
                          "lower": drop.get("verdict") == "lower"})
         mean = rec["mean"]
-        mci = mean.get("ci") or [None, None]
         lm = rec["label_map"]
         out.append({"name": name, "title": rec.get("title") or name, "split_source": rec.get("split_source"),
                     "synthetic": rec.get("synthetic"), "n_images": rec["n_images"], "n_patients": rec["n_patients"],
-                    "rows": rows, "mean": {**mean, "ci_low": mci[0], "ci_high": mci[1],
-                                            "verdict": mean.get("verdict_text")},
+                    "rows": rows, "mean": {**mean, **ci_columns(mean.get("ci")), "verdict": mean.get("verdict_text")},
                     "model_only": [plots.display_name(x) for x in lm["model_only"]], "data_only": lm["data_only"],
                     "near": lm.get("near_not_matched") or [], "labelling": labelling_text(rec.get("labelling")),
                     "bootstrap": rec["bootstrap"], "statistic": rec.get("statistic"),

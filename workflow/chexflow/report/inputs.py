@@ -13,6 +13,7 @@ import pandas as pd
 
 from chexflow.evaluate.comparison_record import ComparisonRecordError, read_comparison
 from chexflow.evaluate.external_record import ExternalInputError, read_record
+from chexflow.evaluate.intervals import ci_columns
 from chexflow.evaluate.record import MetricsRecordError, PredictionsRecordError, read_metrics, read_predictions
 from chexflow.fsutil import open_regular, read_json
 from chexflow.report.errors import ReportInputError
@@ -89,8 +90,7 @@ def load_metrics_json(path: Path) -> dict[str, Any]:
     format, the writer's), arranged for the views: per label ``ci_low``/``ci_high`` and the operating
     point evaluation chose with its split; ``raw_labels``: the record's entries as written."""
     data = _record(read_metrics, path)
-    labels = {label: {"auroc": e["auroc"], "n_pos": e.get("n_pos"), "n_neg": e.get("n_neg"),
-                      "ci_low": (e["ci"] or [None, None])[0], "ci_high": (e["ci"] or [None, None])[1],
+    labels = {label: {"auroc": e["auroc"], "n_pos": e.get("n_pos"), "n_neg": e.get("n_neg"), **ci_columns(e["ci"]),
                       "operating_point": e.get("test_operating_point"),
                       "operating_point_split": e.get("operating_point_split")}
               for label, e in data["labels"].items()}

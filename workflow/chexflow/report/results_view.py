@@ -10,6 +10,7 @@ import pandas as pd
 from sklearn.metrics import roc_curve
 
 from chexflow.evaluate import published
+from chexflow.evaluate.intervals import ci_columns
 from chexflow.evaluate.metrics import precision_recall
 from chexflow.report import plots
 from chexflow.report.templating import mean_of
@@ -64,9 +65,8 @@ def mean_row(rows: list[AurocRow], metrics: dict[str, Any], *, synthetic: bool =
     defined = [r for r in rows if r.ours is not None]
     chexnet = mean_of([r.chexnet for r in defined])
     ours = metrics["mean_auroc"]
-    ci = metrics["mean_auroc_ci"]
     return {
-        "ours": ours, "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
+        "ours": ours, **ci_columns(metrics["mean_auroc_ci"]),
         "chexnet": chexnet, "wang": mean_of([r.wang for r in defined]),
         "diff": None if synthetic or ours is None or chexnet is None else ours - chexnet,
         "n_defined": len(defined), "n_labels": len(rows), "rule": metrics.get("mean_rule"),
