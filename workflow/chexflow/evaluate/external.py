@@ -33,9 +33,9 @@ from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.external_record import ExternalInputError
 from chexflow.evaluate import intervals, subgroups, underdiagnosis
 from chexflow.evaluate.metrics import calibration, independent_bootstrap_auroc_diff, positives
-from chexflow.evaluate.record import read_metrics, read_predictions, write_predictions
+from chexflow.evaluate.record import read_metrics, read_predictions, write_csv, write_predictions
 from chexflow.evaluate.run import predict
-from chexflow.fsutil import atomic_path, write_text_atomic
+from chexflow.fsutil import write_text_atomic
 from chexflow.train.checkpoint import load_model
 
 STATISTIC = ("drop = internal AUROC - external AUROC; 95% CI: percentile bootstrap, each test set's patients "
@@ -230,6 +230,5 @@ def _write_tables(out_dir: Path, result: dict, found: labelmap.Match, images: li
     mean = result["mean"]
     rows.append({"finding": "mean", "internal_auroc": mean["internal"], "external_auroc": mean["external"],
                  "drop": mean["drop"], **intervals.ci_columns(mean["ci"], "drop_ci")})
-    with atomic_path(out_dir / "auroc.csv") as tmp:
-        pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
+    write_csv(out_dir / "auroc.csv", rows, float_format="%.4f")
 

@@ -161,10 +161,16 @@ def read_metrics(path: Path) -> dict[str, Any]:
 FLOAT_FORMAT = "%.9g"
 
 
+def write_csv(path: Path, rows: pd.DataFrame | list[dict], columns: tuple[str, ...] | None = None, *,
+              float_format: str = "%.6g") -> None:
+    """A table (a frame, or rows; ``columns``: their order) to ``path`` as CSV: complete or absent."""
+    with atomic_path(Path(path)) as tmp:
+        pd.DataFrame(rows, columns=columns).to_csv(tmp, index=False, float_format=float_format)
+
+
 def write_predictions(path: Path, table: pd.DataFrame) -> None:
     """A predictions table (evaluation's, external validation's, predict's) to ``path``: complete or absent."""
-    with atomic_path(Path(path)) as tmp:
-        table.to_csv(tmp, index=False, float_format=FLOAT_FORMAT)
+    write_csv(path, table, float_format=FLOAT_FORMAT)
 
 
 class PredictionsRecordError(ValueError):

@@ -30,7 +30,7 @@ from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.metrics import (auroc_per_label, bootstrap_auroc, calibration, mean_auroc, positives,
                                        precision_recall)
 from chexflow.evaluate.published import CHEXNET
-from chexflow.evaluate.record import LabelRecord, choose_operating_point, write_predictions
+from chexflow.evaluate.record import LabelRecord, choose_operating_point, write_csv, write_predictions
 from chexflow.fsutil import atomic_path, write_text_atomic
 from chexflow.settings import ConfigError
 from chexflow.train.checkpoint import load_model
@@ -316,9 +316,8 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: Scored, 
     rows.append({"label": "mean", "auroc": result["mean_auroc"],
                  **intervals.ci_columns(result["bootstrap"]["mean_auroc_ci"]),
                  "chexnet": result["chexnet_mean_same_labels"]})
-    with atomic_path(out_dir / "auroc.csv") as tmp:
-        pd.DataFrame(rows).to_csv(tmp, index=False, float_format="%.4f")
-    _csv(out_dir / "calibration.csv", [
+    write_csv(out_dir / "auroc.csv", rows, float_format="%.4f")
+    write_csv(out_dir / "calibration.csv", [
         {"label": L, "auprc": e.get("auprc"), "prevalence": e.get("prevalence"),
          "brier": (e.get("calibration") or {}).get("brier"), "ece": (e.get("calibration") or {}).get("ece"),
          "threshold_val_youden": e.get("threshold_val_youden"), "operating_point_split": e.get("operating_point_split"),
@@ -328,15 +327,15 @@ def _write_tables(out_dir: Path, result: dict, labels: list[str], test: Scored, 
          **{k: (e.get("test_operating_point") or {}).get(k) for k in ("sensitivity", "specificity", "ppv", "npv")},
          **_interval_columns(e)}
         for L, e in result["labels"].items()])
-    _csv(out_dir / "subgroups.csv", [
+    write_csv(out_dir / "subgroups.csv", [
         {"attribute": g["attribute"], "group": g["group"], "n_images": g["n_images"], "n_patients": g["n_patients"],
          "label": L, "auroc": e["auroc"], **intervals.ci_columns(e["ci"]),
          "n_pos": e["n_pos"], "n_neg": e["n_neg"], "n_pos_patients": e["n_pos_patients"],
          "n_neg_patients": e["n_neg_patients"], "note": e["note"]}
         for g in (result.get("subgroups") or {}).get("groups", []) for L, e in g["labels"].items()])
-    _csv(out_dir / "underdiagnosis.csv", underdiagnosis.table(result["underdiagnosis"]), underdiagnosis.COLUMNS)
+    write_csv(out_dir / "underdiagnosis.csv", underdiagnosis.table(result["underdiagnosis"]), underdiagnosis.COLUMNS)
     if heat["summary"] is not None:
-        _csv(out_dir / "localisation.csv", heat["scored"], LOCALISATION_COLUMNS)
+        write_csv(out_dir / "localisation.csv", heat["scored"], LOCALISATION_COLUMNS)
         _write_gallery(out_dir / "saliency.npz", heat, labels, test)
 
 
@@ -350,11 +349,6 @@ def _interval_columns(e: dict) -> dict:
 
 LOCALISATION_COLUMNS = ("image", "patient", "label", "score", "hit", "no_saliency", "point_x", "point_y", "n_tied",
                         "n_tied_inside", "iobb", "random_point", "centre_hit", "n_boxes")
-
-
-def _csv(path: Path, rows: list[dict], columns: tuple[str, ...] | None = None) -> None:
-    with atomic_path(path) as tmp:
-        pd.DataFrame(rows, columns=list(columns) if columns else None).to_csv(tmp, index=False, float_format="%.6g")
 
 
 def _write_gallery(path: Path, heat: dict, labels: list[str], test: Scored) -> None:
