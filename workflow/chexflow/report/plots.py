@@ -63,23 +63,15 @@ def training_curves(epochs: Sequence[Mapping[str, Any]], title: str) -> str:
     ax.set_title("Loss")
     ax.legend(fontsize=8)
 
-    ax = axes[0, 1]
-    xs, ys = _series(epochs, "val_metric")
-    ax.plot(xs, ys, "-o", ms=3, color="#2a9d8f")
-    ax.set_title(f"Validation {metric_name.replace('_', ' ')}")
-
-    ax = axes[1, 0]
-    xs, ys = _series(epochs, "lr")
-    ax.plot(xs, ys, "-o", ms=3, color="#8e44ad")
-    if ys and min(ys) > 0 and max(ys) / min(ys) > 20:
-        ax.set_yscale("log")
-    ax.set_title("Learning rate")
-
-    ax = axes[1, 1]
-    xs, ys = _series(epochs, "images_per_sec")
-    ax.plot(xs, ys, "-o", ms=3, color="#c0392b")
-    ax.set_title("Throughput (images/s)")
-    ax.set_ylim(bottom=0)
+    for ax, key, color, name in ((axes[0, 1], "val_metric", "#2a9d8f", f"Validation {metric_name.replace('_', ' ')}"),
+                                 (axes[1, 0], "lr", "#8e44ad", "Learning rate"),
+                                 (axes[1, 1], "images_per_sec", "#c0392b", "Throughput (images/s)")):
+        xs, ys = _series(epochs, key)
+        ax.plot(xs, ys, "-o", ms=3, color=color)
+        ax.set_title(name)
+        if key == "lr" and ys and min(ys) > 0 and max(ys) / min(ys) > 20:
+            ax.set_yscale("log")
+    axes[1, 1].set_ylim(bottom=0)
 
     for ax in axes.flat:
         ax.set_xlabel("epoch")
