@@ -111,9 +111,8 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
     model.to(device)
     crop = info["crop"]
 
-    val_shards, test_shards = split_shards(manifest, "val"), shards["test"]
-    val = predict(model, val_shards, crop=crop, batch_size=cfg.batch_size, device=device)
-    test = predict(model, test_shards, crop=crop, batch_size=cfg.batch_size, device=device)
+    val = predict(model, split_shards(manifest, "val"), crop=crop, batch_size=cfg.batch_size, device=device)
+    test = predict(model, shards["test"], crop=crop, batch_size=cfg.batch_size, device=device)
     s, y, patients, images = test
     # the bootstraps, subgroups, audit and heatmaps: minutes at ChestX-ray14's 25,596 test images, and no
     # batch's pace predicts them
@@ -291,11 +290,10 @@ def _saliency(cfg: EvaluateConfig, model, info: dict, labels: list[str], test: S
                                               "centre_hit")},
                        "point_x": row["point"][0], "point_y": row["point"][1], "n_boxes": len(found)})
     if boxes is not None:
-        for j, label in enumerate(labels):
-            if label in summary["boxes"]["findings"]:
-                summary["labels"][label] = localisation.summarise(
-                    [r for r in scored if r["label"] == label], min_patients=cfg.min_patients,
-                    n_resamples=cfg.bootstrap_resamples, seed=cfg.seed, auroc_ci=result["labels"][label]["ci"])
+        for label in summary["boxes"]["findings"]:       # the model's labels with a box, in its order
+            summary["labels"][label] = localisation.summarise(
+                [r for r in scored if r["label"] == label], min_patients=cfg.min_patients,
+                n_resamples=cfg.bootstrap_resamples, seed=cfg.seed, auroc_ci=result["labels"][label]["ci"])
     return {"summary": summary, "scored": scored, "gallery": gallery, "heat": heat, "inputs": inputs, "ref": ref}
 
 

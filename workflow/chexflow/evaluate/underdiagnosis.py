@@ -165,10 +165,9 @@ def audit(y: np.ndarray, s: np.ndarray, patients: Sequence, labels: Sequence[str
                                  n_resamples=n_resamples, seed=seed, alpha=alpha),
                 "n_images_set_aside": int(aside[sel].sum())}
 
-    out = {**base, "labels_used": [lab for lab, u in zip(labels, used) if u],
-           "labels_without_threshold": [lab for lab, u in zip(labels, used) if not u],
-           "set_aside": _set_aside(aside, positive[:, ~used], patients, images, [lab for lab, u in zip(labels, used)
-                                                                                 if not u]),
+    unused = [lab for lab, u in zip(labels, used) if not u]
+    out = {**base, "labels_used": [lab for lab, u in zip(labels, used) if u], "labels_without_threshold": unused,
+           "set_aside": _set_aside(aside, positive[:, ~used], patients, images, unused),
            "overall": cell(np.ones(len(y), bool), attribute="all", group="all")}
     comp = out["overall"]["companion"]
     out["detectable"] = comp["rate"] is not None and comp["rate"] >= MIN_COMPANION
