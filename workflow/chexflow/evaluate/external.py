@@ -81,16 +81,16 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, internal_metri
     scored = predict(model, split_shards(manifest, "test"), crop=info["crop"], batch_size=cfg.batch_size,
                      device=device)
     patients, images = scored.patients, scored.images
-    ours = [model_labels.index(a) for a, _ in found.pairs]
+    names = [a for a, _ in found.pairs]
+    ours = [model_labels.index(a) for a in names]
     theirs = [list(m["labels"]).index(b) for _, b in found.pairs]
     ext = TestSet(scored.targets[:, theirs], scored.scores[:, ours], np.asarray(patients))
     pred = read_predictions(Path(internal_predictions), model_labels)
-    inner = TestSet(pred[[a for a, _ in found.pairs]].to_numpy(float),
-                    pred[[f"{a}_score" for a, _ in found.pairs]].to_numpy(float), pred["patient"].astype(str).to_numpy())
+    inner = TestSet(pred[names].to_numpy(float), pred[[f"{a}_score" for a in names]].to_numpy(float),
+                    pred["patient"].astype(str).to_numpy())
     if len(pred) != internal["n_images"]:
         raise ExternalInputError(f"{internal_predictions}: {len(pred)} rows, but {internal_metrics} counts "
                                  f"{internal['n_images']} test images: not the same evaluation")
-    names = [a for a, _ in found.pairs]
     watchdog.unpaced("statistics")          # the bootstraps and audits: no batch's pace predicts them
     stat = independent_bootstrap_auroc_diff(inner, ext, names, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     result = _record(cfg, m, manifest, found, stat, internal, ext, inner, info)
@@ -159,12 +159,8 @@ def _audit(cfg: EvaluateConfig, result: dict, ext: TestSet, names: list[str], im
                                       n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
     fields = None
     if label_table is not None:
-        fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
-        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients,
-                               "groups": subgroups.subgroup_aurocs(
-                                   ext.targets, ext.scores, ext.patients, names, fields, age_edges=cfg.age_bands,
-                                   min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
-                                   seed=cfg.seed)}
+        fields, result["subgroups"] = subgroups.from_table(cfg, label_table, images, ext.targets, ext.scores,
+                                                           ext.patients, names)
     call = everything[3]
     if call is not None:
         y_all, s_all, labels, _ = everything

@@ -145,12 +145,7 @@ def run(cfg: EvaluateConfig, *, model_path: Path, manifest: Path, out_dir: Path,
 
     fields = None
     if label_table is not None:
-        fields = subgroups.read_fields(Path(label_table), images, age_edges=cfg.age_bands)
-        result["subgroups"] = {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients,
-                               "groups": subgroups.subgroup_aurocs(
-                                   y, s, np.asarray(patients), labels, fields, age_edges=cfg.age_bands,
-                                   min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples,
-                                   seed=cfg.seed)}
+        fields, result["subgroups"] = subgroups.from_table(cfg, label_table, images, y, s, patients, labels)
     # the "no finding" call of the audit: chosen on validation, applied to test (underdiagnosis)
     call = underdiagnosis.no_finding_operating_point(
         val.targets, val.scores, val.patients, labels, {L: e.get("threshold_val_youden") for L, e in result["labels"].items()})

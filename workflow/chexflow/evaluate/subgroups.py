@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from chexflow.evaluate.config import EvaluateConfig
 from chexflow.evaluate.intervals import too_few
 from chexflow.evaluate.metrics import auroc_per_label, bootstrap_auroc
 from chexflow.fsutil import read_regular
@@ -75,6 +76,15 @@ def read_fields(table: Path, images: Sequence[str], *, age_edges: Sequence[int])
         "age_band": band.astype(object).where(band.notna(), None).to_numpy(),
         "view": rows[COLUMNS["view"]].str.strip().where(rows[COLUMNS["view"]].str.strip().isin(VIEWS)).to_numpy(),
     }, index=pd.Index(list(images), name="image")).astype(object).where(lambda d: d.notna(), None)
+
+
+def from_table(cfg: EvaluateConfig, table: Path, images: Sequence[str], y: np.ndarray, s: np.ndarray,
+               patients: Sequence[str], labels: Sequence[str]) -> tuple[pd.DataFrame, dict]:
+    """The fields of ``images`` from the label ``table`` and metrics.json's ``subgroups`` of their predictions."""
+    fields = read_fields(Path(table), images, age_edges=cfg.age_bands)
+    groups = subgroup_aurocs(y, s, np.asarray(patients), labels, fields, age_edges=cfg.age_bands,
+                             min_count=cfg.min_patients, n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
+    return fields, {"age_bands": list(cfg.age_bands), "min_count": cfg.min_patients, "groups": groups}
 
 
 def subgroup_aurocs(y: np.ndarray, s: np.ndarray, patients: np.ndarray, labels: Sequence[str], fields: pd.DataFrame,
