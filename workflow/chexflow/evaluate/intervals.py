@@ -1,19 +1,7 @@
-"""An interval beside every number the evaluation shows, and the one small-count rule.
-
-The small-count rule (``too_few``): a statistic of a binary outcome (an AUROC, a rate at an operating
-point, an underdiagnosis cell, a localisation verdict, an external drop) rests on its patients, not its
-images: below ``evaluate.min_patients`` positive or negative patients (or, for a rate, patients in its
-denominator) it is shown as "too few" with its counts, and its CI and verdict are withheld.
-
-Intervals, each named in the record (``interval``):
-
-  patient bootstrap   percentile interval over resamples of patients (``metrics.patient_draws``: all
-                      images of a drawn patient come along); a resample where the statistic is
-                      undefined (a class lost) is dropped and counted (``n_resamples_dropped``);
-  exact over patients where the bootstrap collapses (a rate of 0 or 1: every resample gives the same
-                      value), the Clopper-Pearson interval of 0 (or n) of the n patients in the
-                      denominator: at a rate of 0 (1) no (every) patient has an image counted, so the
-                      patient-level count is exact and patients are independent units.
+"""An interval beside every number the evaluation shows, each named in the record (``interval``): the
+patient bootstrap (:data:`BOOTSTRAP`), or exact over patients where it collapses at a rate of 0 or 1
+(:data:`EXACT`); and the one small-count rule (:func:`too_few`). Both: docs/evaluation.md, "Intervals
+and the small-count rule".
 """
 from __future__ import annotations
 

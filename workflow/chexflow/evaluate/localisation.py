@@ -8,33 +8,12 @@ side (shards), resized to the evaluation crop (``augment.gpu_augment`` with ``tr
 step is a crop or a uniform scale of the whole image, so a box maps by one offset and one factor.
 
 Scores (Zhang et al. 2016; Wang et al. 2017, as CheXNet reports them):
-  pointing game   a hit when the heatmap's maximum lies in a box of that finding on that image. Ties
-                  are common (a map upsampled from 8 x 8 repeats its border values exactly): the point
-                  is the tied maximum (every pixel within TIE_RTOL of the maximum ties) nearest the
-                  centroid of them all, the first in row-major order among equally near ones, whatever
-                  the scan order. The point is always a maximum, so a hit always has one in a box and
-                  the hits lie within the range any tie-breaking could give. A flat map (constant,
-                  e.g. all zero: nothing speaks for the output) points nowhere: "no saliency",
-                  neither a hit nor a miss, counted apart;
+  pointing game   a hit when the heatmap's maximum lies in a box of that finding on that image (which of
+                  tied maxima is the point, and a flat map's "no saliency": :func:`pointing`, :func:`score`);
   IoBB            area(reference box & detected box) / area(detected box), the detected box bounding
                   the largest connected region of the heatmap at or above HEATMAP_LEVEL x its maximum.
-Chance baselines, on the same maps: a random point (on a map, it hits with the share of the image its
-boxes cover, by pixel centres) and the image centre (the pixel holding the centre, by its centre: the
-rule hits use). The unit of every verdict is the patient: the maps of one patient (up to 28 in the
-demo) are not independent, so the tests take each patient's share of hits as one observation
-(:func:`pointing_verdict`), one test at level alpha, two-sided, alpha / 2 per direction:
-  above chance    the heatmap's peak falls in the box more often than both baselines: against a random
-                  point, Hoeffding's bound (Hoeffding 1963, Theorem 1) on the mean of the patients' hit
-                  shares, valid whatever the dependence between one patient's maps (the exact
-                  Poisson-binomial where every patient has one map); against the centre, the exact
-                  sign-flip test over patients of (the map's hit share - the centre's) on the same
-                  maps (scipy's ``permutation_test``; with one map per patient it is McNemar's exact
-                  test). Both one-sided below alpha / 2 (an intersection-union test);
-  below chance    the peak falls in the box less often than a random point's (the lower bound's tail
-                  below alpha / 2). Less often than the centre is no such sign (the centre rule knows
-                  where findings tend to lie) and is not tested.
-Fewer than ``min_patients`` patients: "too few" (``intervals.too_few``), no verdict. A verdict says what
-was measured, never why.
+The chance baselines (a random point, the image centre) and the verdict, patients as the unit:
+:func:`pointing_verdict`, and docs/evaluation.md, "Where the model looks".
 numpy and scipy only, no torch.
 """
 from __future__ import annotations
@@ -220,7 +199,7 @@ def pointing_verdict(patients: Sequence, hit: Sequence[bool], centre_hit: Sequen
     ``patient``, ``hit`` (the heatmap's peak in a box), ``centre_hit`` (the centre's pixel in a box) and
     ``share`` (the share of the map its boxes cover: a random point's chance). Per patient: its share of
     hits ``h``, the centre's ``e``, the random point's ``c`` (means over its maps). One test at level
-    ``alpha``, two-sided, ``alpha / 2`` per direction (see the module):
+    ``alpha``, two-sided, ``alpha / 2`` per direction (docs/evaluation.md):
 
     - ``p_above_random`` / ``p_below``: ``exp(-P KL(mean h || mean c))`` on the side the mean lies
       (Hoeffding 1963: independent patients, each share in [0, 1], any dependence within a patient), 1 on

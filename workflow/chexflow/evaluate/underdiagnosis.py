@@ -2,40 +2,9 @@
 Medicine 2021): the false-positive rate of the "no finding" call at an operating point chosen on
 validation, beside its companion rate, built so that it can fail.
 
-The call (:func:`no_finding_operating_point`, chosen on validation, never on test): an image's
-abnormality score is its highest score over the findings with a validation-chosen threshold (the
-findings that have both classes in validation); the image is called "no finding" when that score lies
-below the call's threshold, Youden's J of "has a finding" against "has none" over the validation images
-(the rule chexflow uses for every operating point). The old call (every finding below its own Youden
-threshold) is not used: with 14 thresholds each tuned alone, it flagged 442 of 443 demo test images and
-so could not miss anything. The truth uses the same findings: an image "has a finding" when one of them
-is labelled positive; "has none" ("normal") when none is (unknown is not positive). An image positive
-only for findings without a threshold is set aside (``set_aside``): the call cannot be asked about them.
-
-Per cell (all test images, each subgroup of sex, age band, view, each pairwise intersection):
-
-  underdiagnosis, image level    of the images with a finding, the share called "no finding"
-                                 (interval: ``intervals.rate``, patient bootstrap or exact);
-  underdiagnosis, patient level  of the patients with an image with a finding, the share whose every
-                                 such image is called "no finding", with its exact (Clopper-Pearson)
-                                 interval: patients are independent units;
-  companion rate                 of the normal images, the share called "no finding": what the call
-                                 gives up to reach its underdiagnosis rate. Flagging every image scores
-                                 0 underdiagnosis and 0 companion; an audit whose call names almost no
-                                 normal image "no finding" cannot tell groups apart.
-
-Verdicts (one per subgroup, decided here, stored in the record):
-
-  "too few"           fewer than ``min_patients`` patients with a finding or normal patients in the
-                      group or in the rest of its attribute (``intervals.too_few``): nothing compared;
-  "cannot detect"     the call names fewer than ``MIN_COMPANION`` of the normal images "no finding"
-                      (over the test set, or in the group): the audit cannot detect underdiagnosis at
-                      this operating point, and says so instead of reporting a zero as fairness;
-  "higher" / "lower"  the group's image-level underdiagnosis minus the rest of its attribute's (the other
-                      groups with a known value), its 95% patient-bootstrap CI (one draw of the test
-                      set's patients for both rates) above (below) zero;
-  "no gap shown"      that CI includes zero.
-Intersections get their rates, not a verdict (each would be one more comparison on fewer patients).
+The call (:func:`no_finding_operating_point`), the truth it is measured against, the rates of each cell
+(:func:`rates`) and the verdicts (:func:`audit`): docs/evaluation.md, "Underdiagnosis". Intersections get
+their rates, not a verdict: each would be one more comparison on fewer patients.
 """
 from __future__ import annotations
 
@@ -119,7 +88,7 @@ def _image_level(cond: np.ndarray, called: np.ndarray, patients: np.ndarray, **k
 
 def rates(has_finding: np.ndarray, normal: np.ndarray, called: np.ndarray, patients: np.ndarray, *, min_patients: int,
           n_resamples: int, seed: int, alpha: float = 0.05) -> dict[str, Any]:
-    """One cell: ``image`` and ``patient`` underdiagnosis, the ``companion`` rate (see the module), the
+    """One cell: ``image`` and ``patient`` underdiagnosis, the ``companion`` rate (docs/evaluation.md), the
     cell's images and patients, and ``note`` (the small-count rule's words, where it applies)."""
     patients = np.asarray(patients)
     kw = {"minimum": min_patients, "n_resamples": n_resamples, "seed": seed, "alpha": alpha}
@@ -196,7 +165,7 @@ def audit(y: np.ndarray, s: np.ndarray, patients: Sequence, labels: Sequence[str
 
 def _gap(c: dict, sel: np.ndarray, rest: np.ndarray, has: np.ndarray, normal: np.ndarray, called: np.ndarray,
          patients: np.ndarray, w: np.ndarray, detectable: bool, min_patients: int, alpha: float) -> dict[str, Any]:
-    """A subgroup's verdict against the rest of its attribute (see the module)."""
+    """A subgroup's verdict against the rest of its attribute (docs/evaluation.md, "Underdiagnosis")."""
     rest_few = intervals.too_few(int(np.unique(patients[rest & has]).size), int(np.unique(patients[rest & normal]).size),
                                  min_patients)
     gap: dict[str, Any] = {"gap": None, "gap_ci": None, "gap_resamples_dropped": None}
