@@ -33,7 +33,6 @@ from chexflow.data.config import DEFAULT_POLICY, ShardConfig
 from chexflow.data.dataset import RawSample, Report, ShardError
 from chexflow.fsutil import NotRegularFile, check_regular, read_regular
 
-POLICIES = ("ones", "zeros", "ignore")
 UNCERTAIN_VALUE = {"ones": 1.0, "zeros": 0.0, "ignore": np.nan}
 BLANK_VALUE = {"negative": 0.0, "ignore": np.nan}
 # what an observation cell may hold: positive, negative, uncertain (as numbers; pandas reads text)
@@ -229,10 +228,7 @@ def refuse_paths(table: pd.DataFrame, column: str, path: Path | str) -> pd.Serie
     problems = table[column].map(path_problem)
     bad = problems.notna()
     if bad.any():
-        first = bad.idxmax()
-        more = f" (and {int(bad.sum()) - 1} more row(s) like it)" if bad.sum() > 1 else ""
-        raise TableError(f"{where(path, table.loc[first], column)}: {table.at[first, column]!r}: "
-                         f"{problems[first]}{more}")
+        refuse_rows(bad, table, path, column, f"{{value!r}}: {problems[bad.idxmax()]}")
     return table[column].map(posixpath.normpath)
 
 
