@@ -292,14 +292,15 @@ def one_split_per_patient(table: pd.DataFrame, path: Path | str, image_column: s
                      f"({len(shared)} such patient(s)); a patient's images must all be in one split")
 
 
-def carve(patients: Sequence[str], fraction: float, seed: int, stream: int = 0) -> set[str]:
-    """The patients (sorted, permuted by ``numpy.random.default_rng([seed, stream])``) of the first
-    ``round(fraction * n)`` places, at least one when ``fraction > 0`` and two or more patients."""
+def carve(patients: Sequence[str], fraction: float, seed: int, stream: int | None = 0) -> set[str]:
+    """The patients (sorted, permuted by ``numpy.random.default_rng([seed, stream])``; ``stream`` None:
+    ``default_rng(seed)``, NIH's split) of the first ``round(fraction * n)`` places, at least one when
+    ``fraction > 0`` and two or more patients."""
     pool = np.array(sorted(set(patients)), dtype=object)
     n = int(round(fraction * len(pool)))
     if fraction > 0 and n == 0 and len(pool) >= 2:
         n = 1
-    order = np.random.default_rng([seed, stream]).permutation(len(pool))
+    order = np.random.default_rng(seed if stream is None else [seed, stream]).permutation(len(pool))
     return set(pool[order[:n]])
 
 
