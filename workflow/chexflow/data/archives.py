@@ -91,11 +91,9 @@ def iter_members(path: Path | str, *, on_skip: Callable[[str, str], None] | None
     """Stream ``(member name, bytes)`` for every ``.png`` member of a ``.tar.gz``, in archive order.
 
     Reads without extracting, in tarfile's streaming mode (``r|`` over a ``gzip`` stream), so an
-    archive is read once, sequentially. Every member first passes ``archives.safe_members``: the
-    tar 'data' filter (``..``, links pointing outside, device files), absolute member names, only
-    regular files (no symlinks or hard links at all), and at most ``max_member_bytes`` by its
-    header (a larger member is skipped unread). Rejected members are reported through ``on_skip(member_name,
-    reason)`` (default: a logged warning) and skipped; directories and non-PNG files silently.
+    archive is read once, sequentially. Every member first passes :func:`safe_members` (``max_bytes``:
+    ``max_member_bytes``); those it rejects go to ``on_skip(member_name, reason)`` (default: a logged
+    warning), non-PNG files are skipped silently.
 
     A truncated or corrupt archive raises ``ArchiveError`` naming it: the gzip stream is read to
     its end, so a missing gzip trailer or a CRC mismatch is detected even when the tar part ends

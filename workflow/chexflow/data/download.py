@@ -72,12 +72,6 @@ def _local_path(url: str) -> Path:
     return Path(url).expanduser()
 
 
-def _file_hashes(path: Path, want_md5: bool, chunk: int) -> Hashes:
-    h = Hashes(want_md5)
-    h.update_from_file(path, chunk)
-    return h
-
-
 def _read_sidecar(path: Path) -> str | None:
     side = checksum_sidecar(path)
     if not side.exists():
@@ -118,7 +112,8 @@ def _cached(dest: Path, url: str, md5: str | None, sha256: str | None, size: int
         if md5 is None and pinned_sha is None:
             reason = f"no pinned checksum and no {checksum_sidecar(dest).name}"
         else:
-            h = _file_hashes(dest, md5 is not None, chunk)
+            h = Hashes(want_md5=md5 is not None)
+            h.update_from_file(dest, chunk)
             problem = _mismatch(dest, url, h, md5, pinned_sha, size)
             if problem is None:
                 return _result(dest, url, h, cached=True, recorded=False, resumed=False, attempts=0)

@@ -1,12 +1,6 @@
-"""The epoch's data order: which samples each rank and each loader worker reads, in which order.
-
-Each epoch the shard list is shuffled with ``(seed, epoch)`` (the same on every rank) and read as
-one sequence of samples; rank ``r`` takes the ``r``-th of ``world`` equal contiguous slices of it
-(a whole number of optimizer steps, the same in every epoch; the remainder, fewer than one global
-step, waits for another epoch) and its loader workers contiguous runs of whole batches of that
-slice, so every sample is read at most once per epoch and every batch is full. Inside a worker a
-shuffle buffer seeded with ``(seed, epoch, rank, run)`` mixes samples (:func:`buffer_order`). A resume
-skips the batches already consumed without reading them. Pure computation: nothing here reads a file.
+"""The epoch's data order: which samples each rank and each loader worker reads, in which order
+(:func:`plan_epoch`), every sample at most once per epoch and every batch full; a worker's shuffle
+buffer (:func:`buffer_order`). Pure computation: nothing here reads a file.
 """
 from __future__ import annotations
 

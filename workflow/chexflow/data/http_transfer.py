@@ -143,12 +143,12 @@ def fetch_http(url: str, part: Path, h: Hashes, size: int | None, *, retries: in
     """Fill ``part`` from ``url``; returns (requests made, whether a resume was used)."""
     policy = retry_policy(retries, backoff)
     drops = policy                        # resumes of broken transfers, counted by the same policy
-    attempts, resumed, total = 0, False, size
+    attempts, total = 0, size
     with make_session(policy) as s:
         while not (size is not None and h.n == size):  # a complete .part from an earlier run: just verify it
             try:
                 r, n = _http_attempt(s, url, part, h, size, size is not None, timeout, progress, chunk)
-                return attempts + n, resumed or r
+                return attempts + n, r
             except _Dropped as exc:
                 attempts += exc.tries
                 total = exc.total if exc.total is not None else total
@@ -158,7 +158,7 @@ def fetch_http(url: str, part: Path, h: Hashes, size: int | None, *, retries: in
                     _give_up(url, part, h, total, attempts, str(exc))
                 print(f"{url}: {exc}; resuming ({len(drops.history)}/{retries})", file=sys.stderr)
                 drops.sleep()
-    return attempts, resumed
+    return attempts, False
 
 
 def _give_up(url: str, part: Path, h: Hashes, total: int | None, attempts: int, last: str) -> None:

@@ -175,8 +175,7 @@ def read_devkit(path: Path | str) -> Devkit:
                                                 max_bytes=_DEVKIT_MEMBER_BYTES):
                 name = member.name[2:] if member.name.startswith("./") else member.name
                 if name in wanted:
-                    fh = tar.extractfile(member)
-                    wanted[name] = fh.read() if fh is not None else b""
+                    wanted[name] = _read_member(tar, member)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
         raise ImageNetError(f"{path}: truncated or corrupt devkit archive ({type(exc).__name__}: {exc})") from exc
     missing = [n for n, data in wanted.items() if data is None]

@@ -214,7 +214,9 @@ def _minmax_to_uint8(a: np.ndarray) -> np.ndarray:
 
 
 def _square_pil(img, size: int):
-    """``resize_square`` on a PIL 'L' image (returns a PIL image)."""
+    """A PIL 'L' image's central square resized to ``size x size`` (a PIL image). PIL bilinear
+    resampling, which low-pass filters (antialiases) when shrinking, like torchvision's
+    ``Resize(antialias=True)``."""
     from PIL import Image
     w, h = img.size
     if h != w:
@@ -227,24 +229,12 @@ def _square_pil(img, size: int):
 
 
 def resize_square(img: np.ndarray, size: int) -> np.ndarray:
-    """Centre-crop a uint8 HxW image to a square, then resize to ``size x size``.
-
-    PIL bilinear resampling, which low-pass filters (antialiases) when shrinking, like
-    torchvision's ``Resize(antialias=True)``.
-    """
+    """Centre-crop a uint8 HxW image to a square, then resize to ``size x size`` (:func:`_square_pil`)."""
     from PIL import Image
 
     if img.ndim != 2:
         raise ValueError(f"resize_square expects a 2-D greyscale image, got shape {img.shape}")
     if size < 1:
         raise ValueError(f"size must be positive, got {size}")
-    h, w = img.shape
-    if h != w:
-        s = min(h, w)
-        top, left = (h - s) // 2, (w - s) // 2
-        img = img[top:top + s, left:left + s]
-    img = np.ascontiguousarray(img, dtype=np.uint8)
-    if img.shape[0] == size:
-        return img.copy()
-    out = Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR)
-    return np.asarray(out, dtype=np.uint8).copy()
+    square = _square_pil(Image.fromarray(np.ascontiguousarray(img, dtype=np.uint8)), size)
+    return np.array(square, dtype=np.uint8)

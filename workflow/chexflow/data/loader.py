@@ -1,9 +1,5 @@
-"""The stream of one rank's samples for one epoch, and the DataLoader that batches it.
-
-What each rank and worker reads is :mod:`chexflow.data.epoch_plan`'s; the reading is
-:mod:`chexflow.data.shard_reader`'s; checking shards is :mod:`chexflow.data.manifest`'s; the worker
-processes are :mod:`chexflow.data.workers`'; augmentation runs on the device (:mod:`chexflow.data.augment`).
-"""
+"""The stream of one rank's samples for one epoch, and the DataLoader that batches it (the plan it
+follows: :mod:`chexflow.data.epoch_plan`)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -46,17 +42,10 @@ def _read_run(run: WorkerRun, order: np.ndarray, checked: dict[str, Stamp | None
 
 
 class ShardStream(IterableDataset):
-    """Samples ``(uint8 image HxW, target, SampleId)`` of one rank for one epoch.
-
-    Training (``shuffle=True``): this rank's :func:`plan_epoch` slice, ``epoch_steps x
-    backward_passes`` full batches in every epoch, each loader worker mixing its run in a shuffle
-    buffer seeded with ``(seed, epoch, rank, run)``; ``set_epoch(e, skip_batches=k)`` starts at the
-    rank's ``k``-th batch (resume) without reading the samples of the first ``k``.
-    Evaluation (``shuffle=False``): stored order, every sample of the split once across ranks.
-    Every shard is checked against its manifest's sha256 here, before the loader's workers start, and
-    a worker (which receives what this process checked) checks again only a shard changed since
-    (``chexflow.data.manifest``).
-    """
+    """Samples ``(uint8 image HxW, target, SampleId)`` of one rank for one epoch, as :func:`plan_epoch`
+    plans them (``shuffle``: training); ``set_epoch(e, skip_batches=k)`` starts at the rank's ``k``-th
+    batch (resume). Its shards are checked here, before the loader's workers start
+    (``chexflow.data.manifest``)."""
 
     def __init__(self, shards: list[ShardRef], *, rank: int, world: int, seed: int, batch_size: int,
                  backward_passes: int = 1, samples_per_epoch: int | None = None, epoch: int = 0,
@@ -117,11 +106,10 @@ def _collate(batch):
 def make_loader(stream: ShardStream, *, batch_size: int, workers: int, pin_memory: bool,
                 persistent: bool = False) -> DataLoader:
     """Batches in a fixed order: torch's DataLoader asks its workers for batches in turn (skipping
-    exhausted ones) and returns them in the order asked, which :func:`plan_epoch` relies on.
-    The worker processes come from a fork server that runs no thread and leave SIGTERM/SIGUSR1/SIGINT
-    to this process (chexflow.data.workers). ``persistent``: the workers are started once and serve every pass (``iter(loader)`` after
-    ``stream.set_epoch``), instead of being started and stopped around each one (about 0.4-0.7 s
-    per epoch with 14 workers beside a GPU); :func:`close_loader` stops them."""
+    exhausted ones) and returns them in the order asked, which :func:`plan_epoch` relies on. The worker
+    processes: chexflow.data.workers. ``persistent``: the workers are started once and serve every pass
+    (``iter(loader)`` after ``stream.set_epoch``), instead of being started and stopped around each one
+    (about 0.4-0.7 s per epoch with 14 workers beside a GPU); :func:`close_loader` stops them."""
     if batch_size != stream.batch_size:
         raise ValueError(f"loader batch {batch_size} differs from the stream's planned batch {stream.batch_size}")
     return DataLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=_collate,

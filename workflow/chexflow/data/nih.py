@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from chexflow.data.config import ShardConfig
-from chexflow.data import images, table_rows
+from chexflow.data import images, table_rows, tables
 # the release's image archives are read by chexflow.data.archives (imported here for its readers)
 from chexflow.data.archives import ArchiveError, iter_archive, iter_members, posix_basename  # noqa: F401
 from chexflow.data.dataset import Dataset, DatasetInfo, Report, ShardError
@@ -115,15 +115,11 @@ def _nih_tables() -> tuple[RemoteFile, ...]:
             *(RemoteFile(s, None, role="split_list") for s in splits))
 
 
-def _check_n_archives(source: str, n_archives: int | None, maximum: int | None) -> int:
+def _check_n_archives(source: str, n_archives: int | None) -> int:
     if n_archives is None:
-        if maximum is None:
-            raise ValueError(f"source {source!r} needs n_archives (how many images_NNN.tar.gz the release has)")
-        return maximum
+        raise ValueError(f"source {source!r} needs n_archives (how many images_NNN.tar.gz the release has)")
     if isinstance(n_archives, bool) or not isinstance(n_archives, int) or n_archives < 1:
         raise ValueError(f"source {source!r}: n_archives must be a positive integer, got {n_archives!r}")
-    if maximum is not None and n_archives > maximum:
-        raise ValueError(f"source {source!r}: n_archives={n_archives} but the release has only {maximum} archives")
     if n_archives > 999:
         raise ValueError(f"source {source!r}: n_archives={n_archives} exceeds the images_NNN naming (max 999)")
     return n_archives
@@ -147,7 +143,7 @@ def release_source(n_archives: int | None) -> Source:
 
 def demo_source(n_archives: int | None, name: str = "nih_demo", *, boxes: bool = True) -> Source:
     """A generated release's files (``boxes``: with its box list; a pretraining corpus has none)."""
-    n = _check_n_archives(name, n_archives, None)
+    n = _check_n_archives(name, n_archives)
     archives = tuple(RemoteFile(archive_name(i), None, role="archive") for i in range(1, n + 1))
     return Source(
         name=name, title="Synthetic phantom release in the NIH ChestX-ray14 layout",
@@ -167,13 +163,8 @@ def labels_from_findings(findings: pd.Series, *, source: str = "<findings>", nam
         if bad.any():
             first, row, more = table_rows.first_bad(bad, source, "Image Index", names)
             raise NIHError(f"{source}: {row}: {what.format(unknown[first])}{more}; known: {list(LABELS)} + {NO_FINDING!r}")
-    dummies = findings.astype(str).str.get_dummies(sep="|")
-    dummies.columns = [c.strip() for c in dummies.columns]
-    out = pd.DataFrame(0.0, index=findings.index, columns=list(LABELS), dtype=np.float32)
-    for label in LABELS:
-        if label in dummies.columns:
-            out[label] = dummies[label].to_numpy(dtype=np.float32)
-    return out
+    dummies = findings.astype(str).str.get_dummies(sep="|").rename(columns=str.strip)
+    return dummies.reindex(columns=list(LABELS), fill_value=0).astype(np.float32)
 
 
 def read_label_table(csv_path: Path | str) -> pd.DataFrame:
@@ -226,10 +217,8 @@ def assign_splits(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence
                   val_fraction: float, seed: int, strict: bool = True) -> pd.Series:
     """Image -> "train" / "val" / "test".
 
-    Test is the official test list. Validation is carved out of the train_val list by patient:
-    the sorted distinct patients of train_val are permuted with ``numpy.random.default_rng(seed)``
-    and the first ``round(val_fraction * n_patients)`` of them (at least one when
-    ``0 < val_fraction`` and there are two or more patients) go to "val".
+    Test is the official test list. Validation is carved out of the train_val list by patient
+    (``tables.carve``, with ``numpy.random.default_rng(seed)``).
 
     Errors (``NIHError``): a listed image without a label row, an image in both lists, a patient
     in both lists, and (``strict=True``) label rows in neither list. With ``strict=False`` those
@@ -260,12 +249,7 @@ def assign_splits(labels: pd.DataFrame, train_val: Sequence[str], test: Sequence
             raise NIHError(msg)
         log.warning("%s; they are left out", msg)
 
-    patients = np.array(sorted(set(p_tv)), dtype=object)
-    n_val = int(round(val_fraction * len(patients)))
-    if val_fraction > 0 and n_val == 0 and len(patients) >= 2:
-        n_val = 1
-    rng = np.random.default_rng(seed)
-    val_patients = set(patients[rng.permutation(len(patients))[:n_val]])
+    val_patients = tables.carve(p_tv, val_fraction, seed, stream=None)
     tv_split = np.where(p_tv.isin(val_patients).to_numpy(), "val", "train")
     split = pd.concat([pd.Series(tv_split, index=tv), pd.Series("test", index=te)])
     split = split.loc[labels.index.intersection(split.index, sort=False)]  # label-file order

@@ -1,6 +1,5 @@
-"""Node-local staging: shards copied to a node's disk (the PRACE guide's advice), each checked against
-the manifest's sha256 as it is copied, with the verification stamps (``chexflow.data.stamps``) that let
-the node's other ranks and a later start use the copies without reading them again."""
+"""Node-local staging: shards copied to a node's disk and checked as they are copied
+(:func:`stage_shards`)."""
 from __future__ import annotations
 
 import hashlib

@@ -33,7 +33,6 @@ from chexflow.data.config import DEFAULT_POLICY, ShardConfig
 from chexflow.data.dataset import RawSample, Report, ShardError
 from chexflow.fsutil import NotRegularFile, check_regular, read_regular
 
-POLICIES = ("ones", "zeros", "ignore")
 UNCERTAIN_VALUE = {"ones": 1.0, "zeros": 0.0, "ignore": np.nan}
 BLANK_VALUE = {"negative": 0.0, "ignore": np.nan}
 # what an observation cell may hold: positive, negative, uncertain (as numbers; pandas reads text)
@@ -229,10 +228,7 @@ def refuse_paths(table: pd.DataFrame, column: str, path: Path | str) -> pd.Serie
     problems = table[column].map(path_problem)
     bad = problems.notna()
     if bad.any():
-        first = bad.idxmax()
-        more = f" (and {int(bad.sum()) - 1} more row(s) like it)" if bad.sum() > 1 else ""
-        raise TableError(f"{where(path, table.loc[first], column)}: {table.at[first, column]!r}: "
-                         f"{problems[first]}{more}")
+        refuse_rows(bad, table, path, column, f"{{value!r}}: {problems[bad.idxmax()]}")
     return table[column].map(posixpath.normpath)
 
 
@@ -296,14 +292,15 @@ def one_split_per_patient(table: pd.DataFrame, path: Path | str, image_column: s
                      f"({len(shared)} such patient(s)); a patient's images must all be in one split")
 
 
-def carve(patients: Sequence[str], fraction: float, seed: int, stream: int = 0) -> set[str]:
-    """The patients (sorted, permuted by ``numpy.random.default_rng([seed, stream])``) of the first
-    ``round(fraction * n)`` places, at least one when ``fraction > 0`` and two or more patients."""
+def carve(patients: Sequence[str], fraction: float, seed: int, stream: int | None = 0) -> set[str]:
+    """The patients (sorted, permuted by ``numpy.random.default_rng([seed, stream])``; ``stream`` None:
+    ``default_rng(seed)``, NIH's split) of the first ``round(fraction * n)`` places, at least one when
+    ``fraction > 0`` and two or more patients."""
     pool = np.array(sorted(set(patients)), dtype=object)
     n = int(round(fraction * len(pool)))
     if fraction > 0 and n == 0 and len(pool) >= 2:
         n = 1
-    order = np.random.default_rng([seed, stream]).permutation(len(pool))
+    order = np.random.default_rng(seed if stream is None else [seed, stream]).permutation(len(pool))
     return set(pool[order[:n]])
 
 

@@ -236,10 +236,8 @@ def _write_archives(out_dir: Path, names: list[str], patients: list[str], labels
     chunks = [list(range(i, min(i + images_per_archive, n_images))) for i in range(0, n_images, images_per_archive)]
     batches = [(seed, image_size, regions, [(names[j], patients[j], labels[j]) for j in idx[k:k + _RENDER_BATCH]])
                for idx in chunks for k in range(0, len(idx), _RENDER_BATCH)]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=n_images, unit="img", desc="phantoms")
+    from tqdm import tqdm
+    bar = tqdm(total=n_images, unit="img", desc="phantoms", disable=not progress)
     pool = None
     if workers > 1:
         from concurrent.futures import ProcessPoolExecutor
@@ -255,8 +253,7 @@ def _write_archives(out_dir: Path, names: list[str], patients: list[str], labels
             while len(done) < len(idx):
                 got = next(rendered)
                 done.extend(got)
-                if bar is not None:
-                    bar.update(len(got))
+                bar.update(len(got))
             name = f"images_{number:03d}.tar.gz"
             write_archive(out_dir / name, [(names[j], png) for j, (png, _) in zip(idx, done)])
             archives.append(name)
@@ -264,8 +261,7 @@ def _write_archives(out_dir: Path, names: list[str], patients: list[str], labels
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-        if bar is not None:
-            bar.close()
+        bar.close()
     for stale in out_dir.glob("images_*.tar.gz"):
         if stale.name not in archives:
             stale.unlink()
