@@ -1,20 +1,16 @@
-"""How a chexflow command refuses: one line on stderr and a documented exit code.
+"""How a chexflow command refuses: one line on stderr and a documented exit code (docs/errors.md: the
+line, ``--debug``, the codes).
 
 Every exception class chexflow raises for a problem with what it was given (a setting, a file, a
 download, the machine) is in :data:`REFUSALS`, by its name (the package's class names are unique:
 a test checks), with its exit code and what to do; a subclass that is not listed takes its nearest
-listed base's entry. ``chexflow <command>`` (``chexflow.cli.main``, by :func:`refuse`) turns one into
-
-    chexflow <command>: <file>: <what is wrong> (<what to do>)
-
-(the message names the file and the problem; a configuration error gives one such line per
-problem) and exits with the code. The traceback comes too only with ``chexflow --debug`` or
-``CHEXFLOW_DEBUG=1``. Any other exception is a bug: its traceback, exit status 1. Under ``chexflow
-launch`` each rank also leaves its status for the launch to exit with (:func:`record_exit`).
+listed base's entry. ``chexflow.cli.main`` hands one to :func:`refuse`; any other exception is a bug
+and keeps its traceback. Under ``chexflow launch`` each rank also leaves its status for the launch to
+exit with (:func:`record_exit`).
 
 The table holds names, not classes: nothing is imported to build it (the command line stays fast)
-and it sits at the bottom of the layers. docs/errors.md lists the codes; tests keep both in step
-with the package's exception classes.
+and it sits at the bottom of the layers. Tests keep it and docs/errors.md in step with the package's
+exception classes.
 """
 from __future__ import annotations
 

@@ -74,7 +74,3 @@ def set_resources(base: str | Path, changes: dict[str, dict[str, Any]] | None = 
         merged[rule] = {**merged.get(rule, {}), **values}
     return merged
 
-
-def default_resources(base: str | Path, changes: dict[str, Any] | None = None, **resources: Any) -> dict:
-    """``base``'s ``default-resources`` with ``changes`` (and keyword arguments) replacing single keys."""
-    return {**_section(base, "default-resources"), **(changes or {}), **resources}

@@ -287,25 +287,21 @@ def normalize_numbers(data: Any, schema: dict, key: str = "") -> None:
     if isinstance(data, dict):
         props = schema.get("properties") or {}
         other = schema.get("additionalProperties")      # a schema for the keys not listed, if any
-        for name, value in data.items():
-            sub = props.get(name, other if isinstance(other, dict) else None)
-            if sub is None:
-                continue
-            where = f"{key}.{name}" if key else str(name)
-            if isinstance(value, str) and "number" in _types(sub):
-                number = _number_from_string(value, where)
-                if number is not None:
-                    data[name] = number
-            else:
-                normalize_numbers(value, sub, where)
+        other = other if isinstance(other, dict) else None
+        entries = [(name, props.get(name, other), f"{key}.{name}" if key else str(name)) for name in data]
     elif isinstance(data, list) and "items" in schema:
-        for i, value in enumerate(data):
-            if isinstance(value, str) and "number" in _types(schema["items"]):
-                number = _number_from_string(value, f"{key}[{i}]")
-                if number is not None:
-                    data[i] = number
-            else:
-                normalize_numbers(value, schema["items"], f"{key}[{i}]")
+        entries = [(i, schema["items"], f"{key}[{i}]") for i in range(len(data))]
+    else:
+        return
+    for at, sub, where in entries:
+        if sub is None:
+            continue
+        if isinstance(data[at], str) and "number" in _types(sub):
+            number = _number_from_string(data[at], where)
+            if number is not None:
+                data[at] = number
+        else:
+            normalize_numbers(data[at], sub, where)
 
 
 def _types(schema: dict) -> tuple[str, ...]:

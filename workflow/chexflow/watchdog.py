@@ -1,29 +1,10 @@
 """The stall watchdog: a job whose process stops making progress ends within a bound, with one line.
 
-A long-running command (a training rank, evaluation, predict, a shard job) marks its progress with
-:func:`beat` (a step, a batch, a validation batch, a shard hashed or written). A thread of the
-process compares the time since the last mark with a bound derived from the run itself::
-
-    bound = start_s                                  until the first mark
-    bound = max(floor_s, factor x the longest gap between two marks seen so far)   after it
-    bound = start_s                                  once the process marks no pace (:func:`unpaced`:
-                                                     evaluation's statistics after its last batch)
-
-When nothing has progressed for longer than the bound, the watchdog writes every thread's stack of
-this process to stderr (the job's log; ``faulthandler``), asks the loader workers for theirs
-(``chexflow.data.workers.STACK_SIGNAL``), stops every process this one started, and exits with
-:data:`EXIT_STALLED` after one line naming what stalled (the process, the phase of its last mark,
-what its main thread waits for: a loader worker's pid, a collective)::
-
-    chexflow train: rank 1: no progress for 62 s in validation (bound 60 s: ...): waiting for loader
-    worker pid 4242 (stacks above) (a stall: the job exits 14 so that the cluster's retry resumes it ...)
-
-Snakemake's ``retries`` (profiles/slurm) resubmit the job and training resumes from its last
-checkpoint; a rank waiting in a collective for a rank that stopped ends the same way, and its
-launcher then stops the others. Time the whole process was stopped (``scontrol suspend``, SIGSTOP)
-is not time without progress. Not covered: a deadlock that holds the interpreter's lock, which no
-Python thread outlives (the job's time limit ends it). Ground floor: imports nothing of chexflow but
-the refusals' table and settings.
+docs/cluster.md ("Stalls") says what a user sees: the bound, the stacks and the line, the exit, the
+retry. A long-running command marks its progress with :func:`beat`; a thread of the process compares
+the time since the last mark with :meth:`Watchdog.bound` and, past it, :meth:`Watchdog.fire` ends the
+process. Not covered: a deadlock that holds the interpreter's lock, which no Python thread outlives.
+Ground floor: imports nothing of chexflow but the refusals' table and settings.
 """
 from __future__ import annotations
 

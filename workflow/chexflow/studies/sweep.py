@@ -177,13 +177,11 @@ def select(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]], winner: str | None) -> "pd.DataFrame":
     import pandas as pd
-    rows = []
-    for r in sorted(results, key=lambda r: r["trial"]):
-        rows.append({"trial": r["trial"], "status": r["status"], "val_metric": r.get("val_metric"),
-                     "val_metric_name": r.get("val_metric_name"), "best_epoch": r.get("best_epoch"),
-                     **{k: r["params"].get(k) for k in KEYS if k in r["params"]},
-                     "reason": r.get("reason"), "winner": r["trial"] == winner})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([{"trial": r["trial"], "status": r["status"], "val_metric": r.get("val_metric"),
+                          "val_metric_name": r.get("val_metric_name"), "best_epoch": r.get("best_epoch"),
+                          **{k: r["params"].get(k) for k in KEYS if k in r["params"]},
+                          "reason": r.get("reason"), "winner": r["trial"] == winner}
+                         for r in sorted(results, key=lambda r: r["trial"])])
 
 
 # the keys of result.json the selection reads (run_trial writes them all)

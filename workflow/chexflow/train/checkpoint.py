@@ -364,15 +364,6 @@ def best_model(best_path: Path, ckpt_dir: Path, *, run_id: str, epoch: int, step
     return rebuild(found[1]["model"])
 
 
-def load_weights(model: torch.nn.Module, state_dict: Mapping[str, Any], *, source: Path, what: str) -> None:
-    """Load ``state_dict`` into ``model`` after :func:`weights_problem`; a mismatch is a
-    :class:`ModelFileError` naming ``source``, ``what`` the network is and the first mismatching keys."""
-    problem = weights_problem(model.state_dict(), state_dict)
-    if problem:
-        raise ModelFileError(f"{source}: refused: its weights do not fit {what}: {problem}")
-    model.load_state_dict(state_dict)
-
-
 # ------------------------------------------------------------------ model files
 def model_record(*, state_dict: dict, run_id: str, stage: str, dataset: str, task: str, labels: list[str],
                  arch: str, in_channels: int, crop: int, epoch: int, val_metric: float, val_metric_name: str,
@@ -470,5 +461,8 @@ def load_model(path: Path, *, expect: Mapping[str, Any] | None = None) -> tuple[
         model = build_model(info["arch"], in_channels=info["in_channels"], num_outputs=info["num_outputs"])
     except ModelError as exc:
         raise ModelFileError(f"{path}: refused: {what} cannot be built ({_first_line(exc)})") from exc
-    load_weights(model, info["state_dict"], source=path, what=what)
+    problem = weights_problem(model.state_dict(), info["state_dict"])
+    if problem:
+        raise ModelFileError(f"{path}: refused: its weights do not fit {what}: {problem}")
+    model.load_state_dict(info["state_dict"])
     return model.eval(), info

@@ -12,8 +12,8 @@ import torch
 
 from chexflow.train.config import TrainConfig
 from chexflow.data.augment import gpu_augment
-from chexflow.data.epoch_plan import epoch_steps, first_readers, plan_epoch
-from chexflow.data.loader import ShardStream, close_loader, make_loader
+from chexflow.data.epoch_plan import epoch_steps, first_readers
+from chexflow.data.loader import ShardStream, make_loader
 from chexflow.data.manifest import (ManifestError, ShardRef, ShardVerifyError, World, read_manifest, split_shards,
                                     verify_on_world)
 from chexflow.data.staging import stage_shards, verify_staged

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from chexflow.fsutil import NotRegularFile, open_regular
+from chexflow.fsutil import NotRegularFile, read_regular
 
 LEASE_NAME = "lease.json"
 EXIT_LEASE_HELD = 5   # another trainer holds the checkpoint directory (or took it over); 3, 4: trainer.py
@@ -109,14 +109,10 @@ def _pid_is(pid: int, started: float | None) -> bool:
 
 def read_holder(path: Path) -> Holder:
     """The holder named by lease file ``path``; ValueError naming the file and what is wrong."""
-    try:
-        fh = open_regular(path, follow_symlinks=False)     # a FIFO there would block a plain open
-    except NotRegularFile as exc:
+    try:        # a FIFO there would block a plain open
+        raw = read_regular(path, max_bytes=MAX_BYTES, follow_symlinks=False, what="lease")
+    except NotRegularFile as exc:       # also a file over MAX_BYTES
         raise ValueError(f"{exc}; not a chexflow lease") from None
-    with fh:
-        raw = fh.read(MAX_BYTES + 1)
-    if len(raw) > MAX_BYTES:
-        raise ValueError(f"{path}: over {MAX_BYTES} bytes, not a chexflow lease")
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

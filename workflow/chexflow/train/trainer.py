@@ -124,14 +124,6 @@ class Trainer:
         self.frozen: list[torch.nn.Module] = []
 
     @property
-    def task(self) -> str:
-        return self.data.task
-
-    @property
-    def labels(self) -> list[str]:
-        return self.data.labels
-
-    @property
     def steps_per_epoch(self) -> int:
         return self.data.steps_per_epoch
 
@@ -146,7 +138,7 @@ class Trainer:
         parameters), optimizer, LR schedule."""
         cfg, backend = self.cfg, self.backend
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model.arch, in_channels=cfg.model.in_channels, num_outputs=len(self.labels),
+        model = build_model(cfg.model.arch, in_channels=cfg.model.in_channels, num_outputs=len(self.data.labels),
                             dropout=cfg.model.dropout)
         if cfg.freeze:
             names = freeze_backbone(model, cfg.freeze)
@@ -404,7 +396,7 @@ class Trainer:
             sync = backend.no_sync(model) if micro < self.bpps - 1 else contextlib.nullcontext()
             with sync, torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 logits = model(x)
-                loss = task_loss(self.task, logits, targets) / self.bpps
+                loss = task_loss(self.data.task, logits, targets) / self.bpps
             loss.backward()
             total += loss.detach()
         opt.step()
@@ -421,7 +413,7 @@ class Trainer:
         """The model file of the weights ``sd`` as validated in ``row`` (its epoch and validation metric)."""
         cfg = self.cfg
         return ckpt.model_record(state_dict=sd, run_id=self.run_id, stage=cfg.stage, dataset=cfg.dataset,
-                                 task=self.task, labels=list(self.labels), arch=cfg.model.arch,
+                                 task=self.data.task, labels=list(self.data.labels), arch=cfg.model.arch,
                                  in_channels=cfg.model.in_channels, crop=cfg.data.crop, epoch=row["epoch"],
                                  val_metric=row["val_metric"], val_metric_name=row["val_metric_name"],
                                  config=to_dict(cfg), data=self.identity.summary, host=self.host)

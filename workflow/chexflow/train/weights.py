@@ -10,9 +10,7 @@ import torch
 
 def weights_problem(expected: Mapping[str, torch.Tensor], got: Mapping[str, Any], *, show: int = 3) -> str | None:
     """Why the state dict ``got`` does not fit a network whose state dict is ``expected`` (the same
-    keys, each a tensor of the same shape), naming the first mismatching keys; None when it fits.
-    The one check of every weights file chexflow reads: resume checkpoints, ``best-<run id>.pt``,
-    ``model.pt`` (evaluate, predict, export) and the pretrained backbone."""
+    keys, each a tensor of the same shape), naming the first mismatching keys; None when it fits."""
     missing = [k for k in expected if k not in got]
     extra = [k for k in got if k not in expected]
     wrong = [f"{k}: {_shape(got[k])} where {tuple(expected[k].shape)} is expected" for k in expected
