@@ -3,7 +3,7 @@
 ``chexflow train`` (a rank of the workflow's training jobs), the scaling study's ``scale-point``
 (a rank at one world size) and the sweep's ``sweep-trial`` (one process starting its trial's ranks
 through the launcher) all call it. The exit codes and the divergence marker are the trainer's
-(``chexflow.train.trainer``); this module is the only one that reads them back.
+(``chexflow.train.trainer``, ``chexflow.train.epoch_report``); this module is the only one that reads them back.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ from chexflow.train.config import TrainConfig
 from chexflow.train.trainer import (DIVERGED_MARKER, EXIT_DIVERGED, EXIT_LEASE_HELD, EXIT_NO_VALID_EPOCH,
                                     EXIT_PREEMPTED, NoValidEpoch, Trainer, TrainPaths, _log)
 from chexflow.train.identity import run_id
+from chexflow.train.signals import STOP_SIGNALS
 
 # exits of a launcher whose ranks were stopped from outside (preempted, killed, interrupted) or did
 # not start because another trainer holds the checkpoint directory: no outcome of the run itself;
 # a rerun resumes from the checkpoints
 INTERRUPTED_EXITS = frozenset({EXIT_PREEMPTED, EXIT_LEASE_HELD, 128 + signal.SIGKILL, 128 + signal.SIGINT,
                                -signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT})
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def _launch(cfg: TrainConfig, paths: TrainPaths, launcher: list[str], ranks: int
             stopped.append(signum)
         proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in _STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
