@@ -43,6 +43,13 @@ def test_labels_and_display_names():
         nih.display_name("Covid")
 
 
+def test_finding_names_with_spaces_around_the_separator_are_the_findings_they_name():
+    """A hand-edited label file: the names are checked stripped, so they are read stripped (one column each)."""
+    y = nih.labels_from_findings(pd.Series(["Mass", " Mass", "Mass | Nodule ", "No Finding"]))
+    assert list(y.columns) == list(nih.LABELS)
+    assert y["Mass"].tolist() == [1.0, 1.0, 1.0, 0.0] and y["Nodule"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert y.to_numpy().sum() == 4
+
 @pytest.mark.parametrize("name", ["labels.csv", "labels.csv.gz"])
 def test_read_labels_small(tmp_path, name):
     path = _csv(tmp_path, [("00000001_000.png", "Cardiomegaly|Effusion", "1"),

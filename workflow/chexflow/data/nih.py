@@ -163,8 +163,9 @@ def labels_from_findings(findings: pd.Series, *, source: str = "<findings>", nam
         if bad.any():
             first, row, more = table_rows.first_bad(bad, source, "Image Index", names)
             raise NIHError(f"{source}: {row}: {what.format(unknown[first])}{more}; known: {list(LABELS)} + {NO_FINDING!r}")
-    dummies = findings.astype(str).str.get_dummies(sep="|").rename(columns=str.strip)
-    return dummies.reindex(columns=list(LABELS), fill_value=0).astype(np.float32)
+    # the names as checked above, stripped: 'Mass | Nodule' and ' Mass' are Mass's column, not two columns
+    names_only = findings.str.split("|").map(lambda r: "|".join(s.strip() for s in r))
+    return names_only.str.get_dummies(sep="|").reindex(columns=list(LABELS), fill_value=0).astype(np.float32)
 
 
 def read_label_table(csv_path: Path | str) -> pd.DataFrame:
