@@ -2,7 +2,7 @@
 
 Usage: ``python tests/slurm_cluster/snakemake_polling.py <snakemake arguments>`` (what ``python -m snakemake``
 takes). Everything is Snakemake's and snakemake-executor-plugin-slurm's own except the wait between two
-status checks (``sacct``/``squeue``).
+status checks (``sacct``/``squeue``) and which of Snakemake's threads a SIGINT reaches (below).
 
 Why: the plugin (2.8.0) waits ``slurm-init-seconds-before-status-checks`` after a check that saw a job end and
 10 s more after every check that saw none, up to 180 s; the growth is hard-coded (``check_active_jobs``), a
@@ -11,11 +11,18 @@ the policy was about a third of the SLURM tests' wall time: the demo workflow sp
 a job's end and the next submission (slurmctld.log, session 38). Here every check comes
 ``CHEXFLOW_TEST_SLURM_POLL_S`` seconds (default 2) after the previous one. Users' runs (``snakemake
 --profile profiles/slurm``) keep the plugin's policy; the tests' assertions never depend on the interval.
+
+And SIGINT (a test's Ctrl-C) is blocked in every thread but the main one, so the kernel delivers it there. Sent to
+the process, it may land on any thread that does not block it; Python runs its handler only in the main thread,
+which, blocked in the scheduler's wait with no job left to wake it (a cancelled job), never saw it: Snakemake
+waited forever (a full run on 2026-12-07; it ended at once when SIGINT was sent to its main thread alone).
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 
 import snakemake_executor_plugin_slurm as slurm_plugin
 
@@ -27,6 +34,15 @@ async def _fixed_sleep(self) -> None:
 
 
 slurm_plugin.Executor.sleep = _fixed_sleep       # RemoteExecutor.sleep: the wait between two checks
+_thread_run = threading.Thread.run
+
+
+def _run_without_sigint(self) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    _thread_run(self)
+
+
+threading.Thread.run = _run_without_sigint
 
 if __name__ == "__main__":
     from snakemake.cli import main
