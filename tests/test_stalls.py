@@ -88,6 +88,28 @@ def test_the_fork_server_runs_one_thread_and_its_workers_start_with_the_stop_sig
     it._shutdown_workers()
 
 
+
+def test_a_fork_server_started_again_after_it_died_starts_with_the_stop_signals_blocked_too():
+    """multiprocessing starts the fork server again when it died: that one must block the signals as well."""
+    def server_of_a_new_loader():
+        loader = DataLoader(stall_helpers.NeedsTheLock(), batch_size=2, num_workers=1, **workers.loader_processes(1))
+        it = iter(loader)
+        next(it)
+        (server,) = {psutil.Process(w.pid).ppid() for w in it._workers}
+        it._shutdown_workers()
+        return server
+
+    first = server_of_a_new_loader()
+    server = psutil.Process(first)
+    server.kill()
+    deadline = time.time() + 60          # not reaped here: multiprocessing reaps it, and so learns it died
+    while server.status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.05)
+    second = server_of_a_new_loader()
+    assert second not in (first, os.getpid())
+    blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", open(f"/proc/{second}/status").read(), re.M).group(1), 16)
+    assert all(blocked >> (s - 1) & 1 for s in workers.PARENT_SIGNALS), f"SigBlk {blocked:x}"
+
 # ------------------------------------------------------------------------ the bound and the line
 def test_the_bound_is_start_s_until_the_first_mark_then_the_floor_or_factor_times_the_slowest_gap():
     now = [100.0]

@@ -46,16 +46,13 @@ PRELOAD = ["chexflow.data.loader"]
 
 
 def _ensure_server() -> None:
-    """Start the fork server (once per process) with PARENT_SIGNALS blocked: fork+exec keeps the
-    calling thread's signal mask, the server never changes it, and its children inherit it."""
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:
-        server.ensure_running()          # restarts it, should it have died
-        return
+    """The fork server running, started (the first time, or again should it have died) with
+    PARENT_SIGNALS blocked: fork+exec keeps the calling thread's signal mask, the server never
+    changes it, and its children inherit it."""
     multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, PARENT_SIGNALS)
     try:
-        server.ensure_running()
+        multiprocessing.forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
