@@ -15,16 +15,21 @@ a job's end and the next submission (slurmctld.log, session 38). Here every chec
 And SIGINT (a test's Ctrl-C) is blocked in every thread but the main one, so the kernel delivers it there. Sent to
 the process, it may land on any thread that does not block it; Python runs its handler only in the main thread,
 which, blocked in the scheduler's wait with no job left to wake it (a cancelled job), never saw it: Snakemake
-waited forever (a full run on 2026-12-07; it ended at once when SIGINT was sent to its main thread alone).
+waited forever (a full run on 2026-12-07; it ended at once when SIGINT was sent to its main thread alone). A
+thread inherits the mask of the thread that creates it: SIGINT is blocked before the imports (importing the
+plugin starts a native thread) and in every ``threading.Thread.start``, and unblocked in the main thread only.
 """
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
-import threading
 
-import snakemake_executor_plugin_slurm as slurm_plugin
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})     # before any import can start a thread
+
+import asyncio  # noqa: E402
+import os  # noqa: E402
+import threading  # noqa: E402
+
+import snakemake_executor_plugin_slurm as slurm_plugin  # noqa: E402
 
 POLL_S = float(os.environ.get("CHEXFLOW_TEST_SLURM_POLL_S", "2"))
 
@@ -34,17 +39,22 @@ async def _fixed_sleep(self) -> None:
 
 
 slurm_plugin.Executor.sleep = _fixed_sleep       # RemoteExecutor.sleep: the wait between two checks
-_thread_run = threading.Thread.run
+_thread_start = threading.Thread.start
 
 
-def _run_without_sigint(self) -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    _thread_run(self)
+def _start_without_sigint(self) -> None:
+    """A new thread inherits the signal mask of the thread that starts it, whatever its run()."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        _thread_start(self)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-threading.Thread.run = _run_without_sigint
+threading.Thread.start = _start_without_sigint
 
 if __name__ == "__main__":
     from snakemake.cli import main
 
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     main()
